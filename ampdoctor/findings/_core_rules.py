@@ -1,0 +1,346 @@
+"""Rules for non-finite values: overflow, nan-from-inf, masked-row-nan, constant-out-of-range,
+nonfinite-input; and parameter coverage: unused-parameters."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from ampdoctor.findings._context import Context, Origin, chain_summary, dtype_name, limits, nan_record, op_base
+from ampdoctor.findings._registry import Candidate, rule
+from ampdoctor.findings._types import Finding, FixProposal
+from ampdoctor.trace import OpRecord
+
+SOFTMAX_OPS = {"_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax"}
+LOW = {"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
+#: the order in which whole runs are read: setup facts first, then ops in execution order
+LATE = 1e12
+
+
+def fmt(x: float) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "nan"
+    if isinstance(x, float) and math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return f"{x:.3g}"
+
+
+def where(r: OpRecord) -> str:
+    return f"{r.op} in {r.module or '<root>'} ({r.phase}, step {r.step})"
+
+
+def src_text(r: OpRecord) -> str:
+    if not r.src:
+        return ""
+    path, line = r.src
+    return f"{os.path.basename(path)}:{line}"
+
+
+def base_evidence(r: OpRecord) -> dict[str, Any]:
+    ev: dict[str, Any] = {"dtype": dtype_name(r.dtype), "numel": int(r.stats.get("numel", 0)),
+                          "input_dtypes": list(r.input_dtypes)}
+    if r.node:
+        ev["autograd_node"] = r.node
+    if r.src:
+        ev["source"] = f"{r.src[0]}:{r.src[1]}"
+    return ev
+
+
+def _out_of_range_constant(ctx: Context, r: OpRecord) -> float | None:
+    """A literal in ``r``'s arguments (a Python number or a one-element leaf tensor) beyond its dtype's range."""
+    fmax = limits(r.dtype)[0]
+    for v in r.scalars:
+        if math.isfinite(v) and abs(v) > fmax:
+            return v
+    for i in r.inputs:
+        if i < 0:
+            continue
+        src = ctx.records[i]
+        if src.kind in ("input", "batch") and src.stats.get("numel") == 1 and src.stats["absmax"] > fmax:
+            return src.stats["absmax"] * (-1 if src.stats.get("n_neginf", 0) else 1)
+    return None
+
+
+def keep_fp32_fix(module: str) -> FixProposal:
+    return FixProposal(
+        title=f"run `{module}` in float32 (autocast disabled inside it, inputs upcast)",
+        snippet=f"ampdoctor.fix(model, report, which='keep_fp32')  # or wrap {module}.forward in "
+                "torch.autocast(device_type, enabled=False) and call it on x.float()",
+        id="keep_fp32", params={"modules": [module]})
+
+
+def bf16_fix(precision: str | None) -> FixProposal:
+    target = "bf16-amp" if precision in (None, "fp16-amp") else "bf16"
+    return FixProposal(
+        title="train in bfloat16 (same exponent range as fp32: max 3.39e38)",
+        snippet="with torch.autocast(device_type, dtype=torch.bfloat16):  # no GradScaler needed\n    loss = ...",
+        id="switch_precision", params={"precision": target})
+
+
+@rule("overflow", severity="error", precedence=40,
+      summary="a value finite in fp32 exceeds the format's range: inf (or clipped) in the target")
+def overflow(ctx: Context) -> list[Candidate]:
+    """An op's result is finite in the fp32 reference but inf in the target dtype (fp16 max 65504, bf16
+    3.39e38, e4m3 448, e5m2 57344), and the inf reaches the loss, a gradient or an update, or the op that
+    absorbs it computes a different result than the reference. The origin is the earliest such op whose
+    inputs were all finite; later NaN are reported as ``nan-from-inf``. Inline math (a residual add, GELU's
+    ``pow(x, 3)``) is blamed on the module whose own code runs it, backward ops on the module that ran
+    their forward op."""
+    out: list[Candidate] = []
+    for o in ctx.harmful_origins():
+        r = o.record
+        s = r.stats
+        n_inf = int(s["n_posinf"] + s["n_neginf"])
+        if o.deliberate or r.kind != "op" or n_inf == 0 or _out_of_range_constant(ctx, r) is not None:
+            continue
+        fmax = limits(r.dtype)[0]
+        ref = ctx.ref(r)
+        ev = base_evidence(r)
+        ev.update({"format_max": fmax, "n_inf": n_inf})
+        if ref is not None and math.isfinite(ref.stats["absmax"]):
+            ev["ref_absmax"] = ref.stats["absmax"]
+            ev["ratio_to_max"] = ref.stats["absmax"] / fmax
+            ref_txt = (f"the fp32 reference reaches |max| {fmt(ref.stats['absmax'])}, "
+                       f"{ref.stats['absmax'] / fmax:.2f}x {dtype_name(r.dtype)}'s max {fmt(fmax)}")
+        elif ref is not None:
+            ref_txt = "the fp32 reference overflows here as well (the values exceed even float32's range)"
+            ev["ref_nonfinite"] = True
+        else:
+            ref_txt = f"no aligned reference op; judged against {dtype_name(r.dtype)}'s max {fmt(fmax)}"
+        nan = nan_record(ctx, r.index)
+        tail = f"; the first NaN follows at {where(nan)}" if nan is not None and nan.index != r.index else ""
+        ins = ", ".join(r.input_dtypes) or "none"
+        at = f" [{src_text(r)}]" if r.src else ""
+        expl = (f"{where(r)}{at} produced {n_inf} inf value(s) in {dtype_name(r.dtype)} from finite inputs "
+                f"(input dtypes: {ins}): {ref_txt}. This inf {o.reasons[0]}{tail}.")
+        if r.phase == "backward":
+            expl += (f" It is a backward op of {r.node or 'the forward op'}: the forward value fits, its derivative "
+                     "does not.")
+        ev["chain"] = chain_summary(ctx, r.index)
+        fixes = [keep_fp32_fix(r.module)] if r.module else []
+        fixes.append(bf16_fix(ctx.spec.precision))
+        out.append(Candidate(Finding(
+            "overflow", "error", r.module, r.op, r.phase,  # type: ignore[arg-type]
+            f"{op_base(r.op)} overflows {dtype_name(r.dtype)} in {r.module or '<root>'}",
+            expl, ev, tuple(fixes), r.step), r.index))
+    return out
+
+
+@rule("nan-from-inf", severity="error", precedence=90,
+      summary="an inf from an earlier overflow turns into NaN (inf - inf, inf * 0); a propagation step")
+def nan_from_inf(ctx: Context) -> list[Candidate]:
+    """The step where an inf made elsewhere becomes NaN: ``inf - inf``, ``inf * 0``, ``inf * rsqrt(inf)``
+    (a norm over an inf row), ``0 * inf`` in GELU's backward. Never ranked above the overflow that made the
+    inf; it tells where the NaN that users see comes from."""
+    out: list[Candidate] = []
+    for o in ctx.harmful_origins():
+        nan = nan_record(ctx, o.record.index)
+        if nan is None or nan.index == o.record.index:
+            continue
+        ins = [ctx.records[i] for i in nan.inputs if i >= 0]
+        inf_in = sum(int(x.stats.get("n_posinf", 0) + x.stats.get("n_neginf", 0)) for x in ins)
+        ev = base_evidence(nan)
+        ev.update({"n_nan": int(nan.stats["n_nan"]), "inf_inputs": inf_in,
+                   "origin": ctx.describe(o.record)})
+        expl = (f"{where(nan)} receives {inf_in} inf value(s) that started at {where(o.record)} and returns "
+                f"{int(nan.stats['n_nan'])} NaN (inf - inf, inf * 0 or inf/inf). Fix the origin, not this op.")
+        out.append(Candidate(Finding(
+            "nan-from-inf", "error", nan.module, nan.op, nan.phase,  # type: ignore[arg-type]
+            f"inf becomes NaN at {op_base(nan.op)} in {nan.module or '<root>'}", expl, ev, (), nan.step),
+            o.record.index))
+    return out
+
+
+@rule("masked-row-nan", severity="error", precedence=15,
+      summary="a softmax over a row whose every entry is -inf (a fully masked row) returns NaN")
+def masked_row_nan(ctx: Context) -> list[Candidate]:
+    """A softmax whose input holds -inf but no +inf or NaN returns NaN: every entry of some row was masked
+    (left padding with a causal mask, an all-pad sequence), so max-subtraction computes ``-inf - (-inf)``.
+    The NaN rows then reach real tokens through ``attn @ V`` (0 * NaN) and every gradient."""
+    out: list[Candidate] = []
+    recs = ctx.records
+    carried = ctx.lineage.carried
+    for r in recs:
+        if op_base(r.op) not in SOFTMAX_OPS or r.stats.get("n_nan", 0) == 0 or r.index not in carried:
+            continue
+        ins = [recs[i] for i in r.inputs if i >= 0]
+        if not ins:
+            continue
+        x = ins[0]
+        if x.stats.get("n_neginf", 0) == 0 or x.stats.get("n_posinf", 0) or x.stats.get("n_nan", 0):
+            continue
+        origins = sorted(carried[r.index])
+        if not any(o.harmful for o in ctx.origins if o.record.index in origins):
+            continue
+        src = recs[origins[0]]
+        row = r.shape[-1] if r.shape else 1
+        nan_rows = int(r.stats["n_nan"]) // max(row, 1)
+        ev = base_evidence(r)
+        ev.update({"nan_rows": nan_rows, "row_length": row, "neginf_inputs": int(x.stats["n_neginf"]),
+                   "mask_origin": ctx.describe(src), "mask_literal": src.scalars and min(src.scalars) or None})
+        made = "a -inf literal" if any(math.isinf(v) for v in src.scalars) else "an overflowed mask value"
+        expl = (f"{where(r)} takes the softmax of {nan_rows} row(s) of length {row} whose every entry is -inf "
+                f"({made} written by {src.op} in {src.module or '<root>'}); -inf - (-inf) = NaN. Rows that keep at "
+                "least one unmasked key are fine, so only fully masked (padding) rows break.")
+        fixes = (
+            FixProposal("use a finite mask value: torch.finfo(scores.dtype).min instead of -inf",
+                        "scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)", id="safe_mask",
+                        params={"modules": [r.module]}),
+            FixProposal("use F.scaled_dot_product_attention (its safe softmax returns 0 for fully masked rows)",
+                        "out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)"),
+            FixProposal("zero the output of fully masked rows",
+                        "probs = probs.masked_fill(~allowed.any(-1, keepdim=True), 0.0)"),
+        )
+        out.append(Candidate(Finding(
+            "masked-row-nan", "error", r.module, r.op, r.phase,  # type: ignore[arg-type]
+            f"softmax over fully masked rows gives NaN in {r.module or '<root>'}", expl, ev, fixes, r.step),
+            origins[0]))
+    return out
+
+
+@rule("constant-out-of-range", severity="error", precedence=10,
+      summary="a literal (fill value, eps, clamp bound, sentinel) does not fit the dtype it is written into")
+def constant_out_of_range(ctx: Context) -> list[Candidate]:
+    """A constant written into a low-precision tensor is outside its range: ``masked_fill(mask, -1e9)`` on
+    fp16 raises "value cannot be converted to type c10::Half without overflow"; ``x[mask] = -1e9`` silently
+    stores -inf. The cause is the literal, not the data: use ``torch.finfo(x.dtype).min``."""
+    out: list[Candidate] = []
+    err = ctx.target.trace.error
+    if err is not None and "without overflow" in err.get("message", ""):
+        ev: dict[str, Any] = {"message": err["message"], "input_dtypes": err.get("input_dtypes", []),
+                              "constants": err.get("scalars", [])}
+        dt = (err.get("input_dtypes") or ["float16"])[0]
+        ev["format_max"] = limits(dt)[0]
+        if err.get("src"):
+            ev["source"] = f"{err['src'][0]}:{err['src'][1]}"
+        lit = err.get("scalars") or []
+        lit_txt = f" the literal {lit[0]:g}" if lit else " a literal"
+        expl = (f"{err['op']} in {err['module'] or '<root>'} ({err['phase']}, step {err['step']}) raised: "
+                f"\"{err['message']}\". It writes{lit_txt} into a {dt} tensor whose range is ±{fmt(limits(dt)[0])}.")
+        out.append(Candidate(Finding(
+            "constant-out-of-range", "error", err["module"], err["op"], err["phase"],
+            f"constant does not fit {dt} in {err['module'] or '<root>'}", expl, ev,
+            (_finfo_fix(err["module"]),), err["step"]), -1.0))
+    for o in ctx.harmful_origins():
+        r = o.record
+        v = _out_of_range_constant(ctx, r)
+        if v is None:
+            continue
+        ev = base_evidence(r)
+        ev.update({"constant": v, "format_max": limits(r.dtype)[0]})
+        expl = (f"{where(r)} writes the literal {v:g} into a {dtype_name(r.dtype)} tensor (max "
+                f"{fmt(limits(r.dtype)[0])}); it is stored as {'-inf' if v < 0 else 'inf'} silently. "
+                f"The inf {o.reasons[0]}.")
+        out.append(Candidate(Finding(
+            "constant-out-of-range", "error", r.module, r.op, r.phase,  # type: ignore[arg-type]
+            f"literal {v:g} overflows {dtype_name(r.dtype)} in {r.module or '<root>'}", expl, ev,
+            (_finfo_fix(r.module),), r.step), r.index))
+    return out
+
+
+def _finfo_fix(module: str) -> FixProposal:
+    return FixProposal("use the target dtype's own limit instead of a fixed literal",
+                       "x = x.masked_fill(mask, torch.finfo(x.dtype).min)", id="safe_mask",
+                       params={"modules": [module]})
+
+
+@rule("nonfinite-input", severity="error", precedence=20,
+      summary="the batch (or a parameter) already holds inf/NaN before any op runs")
+def nonfinite_input(ctx: Context) -> list[Candidate]:
+    """inf/NaN present in the data fed to the model (or in a parameter as loaded): no op made them, so no
+    precision change can fix it. Check the data pipeline (division by a zero std, log of 0) or the
+    checkpoint."""
+    out: list[Candidate] = []
+    for o in ctx.origins:
+        r = o.record
+        if r.kind not in ("batch", "param"):
+            continue
+        s = r.stats
+        n_nan, n_inf = int(s["n_nan"]), int(s["n_posinf"] + s["n_neginf"])
+        ev = {"dtype": dtype_name(r.dtype), "n_nan": n_nan, "n_inf": n_inf, "numel": int(s["numel"]),
+              "shape": list(r.shape)}
+        if r.kind == "param":
+            ev["parameter"] = r.name
+            module, phase, title = ctx.target.owners.get(r.name, ""), "setup", f"parameter {r.name} is non-finite"
+            what = f"parameter {r.name}"
+        else:
+            module, phase, title = "", "forward", "the batch contains non-finite values"
+            what = f"an input tensor of shape {list(r.shape)}"
+        expl = (f"{what} holds {n_nan} NaN and {n_inf} inf of {int(s['numel'])} values before any op ran; "
+                f"{'it ' + o.reasons[0] if o.harmful else 'it is absorbed downstream'}. No precision setting fixes "
+                "this: clean the data (or the checkpoint).")
+        fix = FixProposal("find where the data gets non-finite and drop or repair those samples",
+                          "assert torch.isfinite(batch['x']).all(), 'non-finite input'")
+        out.append(Candidate(Finding(
+            "nonfinite-input", "error" if o.harmful else "warning", module, "", phase,  # type: ignore[arg-type]
+            title, expl, ev, (fix,), r.step), -2.0 if o.harmful else r.index))
+    return out
+
+
+def _group_by_owner(names: list[str], owners: dict[str, str]) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(owners.get(n, ""), []).append(n)
+    # collapse children into the highest owner whose every parameter is in the set
+    return groups
+
+
+@rule("unused-parameters", severity="warning", precedence=70,
+      summary="trainable parameters get no gradient (None) or are missing from the optimizer")
+def unused_parameters(ctx: Context) -> list[Candidate]:
+    """Trainable parameters whose ``.grad`` stays ``None`` after backward: their module's output never reaches
+    the loss (BERT's pooler when the loss uses token states). DDP with ``find_unused_parameters=False`` then
+    fails on the next step ("Expected to have finished reduction"), fused or flattening fp16 optimizers choke
+    on the ``None`` grads, and plain optimizers skip them silently. Severity is ``error`` when the run
+    crashed or a DDP wrapper is in use, ``warning`` otherwise."""
+    out: list[Candidate] = []
+    cov = ctx.target.coverage[0] if ctx.target.coverage else None
+    if cov is None or ctx.target.forward_only:
+        return out
+    none = [p.name for p in cov if p.grad_none]
+    if none and len(none) < len(cov):
+        crashed = ctx.target.exc is not None
+        ddp = type(ctx.spec.model).__name__ == "DistributedDataParallel"
+        severity = "error" if crashed or ddp else "warning"
+        for owner, params in sorted(_group_by_owner(none, ctx.target.owners).items()):
+            numel = sum(1 for _ in params)
+            ev: dict[str, Any] = {"parameters": params, "count": numel, "of_trainable": len(cov)}
+            if crashed:
+                ev["crash"] = f"{type(ctx.target.exc).__name__}: {str(ctx.target.exc).splitlines()[0][:200]}"
+                ev["crash_step"] = ctx.target.exc_step
+            expl = (f"{len(params)} trainable parameter(s) of {owner or '<root>'} ({', '.join(params[:4])}"
+                    f"{', ...' if len(params) > 4 else ''}) have grad None after backward: the module's output never "
+                    "reaches the loss. DDP (find_unused_parameters=False) fails on the next step, fused/flattening "
+                    "fp16 optimizers break on None grads, and these weights are never trained.")
+            if crashed:
+                expl += f" The run crashed at step {ctx.target.exc_step}: {ev['crash']}."
+            fixes = (
+                FixProposal("leave these parameters out of training",
+                            f"for p in model.{owner}.parameters():\n    p.requires_grad_(False)" if owner else "",
+                            id="exclude_unused",
+                            params={"parameters": params}),
+                FixProposal("build the model without the unused part (e.g. BertModel(..., add_pooling_layer=False))",
+                            "model = BertModel(config, add_pooling_layer=False)"),
+                FixProposal("under DDP, let it tolerate unused parameters",
+                            "DistributedDataParallel(model, find_unused_parameters=True)"),
+            )
+            out.append(Candidate(Finding(
+                "unused-parameters", severity, owner, "", "backward",  # type: ignore[arg-type]
+                f"{owner or '<root>'}: {len(params)} trainable parameter(s) never get a gradient", expl, ev, fixes),
+                -3.0 if crashed else LATE))
+    missing = [p.name for p in cov if not p.in_optimizer and not p.grad_none]
+    if missing:
+        for owner, params in sorted(_group_by_owner(missing, ctx.target.owners).items()):
+            expl = (f"{len(params)} trainable parameter(s) of {owner or '<root>'} get gradients but are not in the "
+                    "optimizer's param_groups, so they are never updated.")
+            out.append(Candidate(Finding(
+                "unused-parameters", "warning", owner, "", "optimizer",
+                f"{owner or '<root>'}: trainable parameters missing from the optimizer", expl,
+                {"parameters": params, "count": len(params)},
+                (FixProposal("add them to the optimizer or freeze them",
+                             "optimizer.add_param_group({'params': [...]})"),)), LATE))
+    return out
+
+
+__all__ = ["Origin", "SOFTMAX_OPS", "LOW", "fmt", "where", "base_evidence", "keep_fp32_fix", "bf16_fix"]

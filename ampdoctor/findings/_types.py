@@ -1,0 +1,204 @@
+"""The data a diagnosis produces: :class:`Finding`, :class:`FixProposal`, :class:`Report`.
+
+These are frozen, JSON-ready values. Behaviour (rules, ranking, rendering) lives in functions elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Severity = Literal["error", "warning", "info"]
+Phase = Literal["forward", "backward", "optimizer", "setup"]
+
+SEVERITIES: tuple[str, ...] = ("error", "warning", "info")
+PHASES: tuple[str, ...] = ("forward", "backward", "optimizer", "setup")
+
+#: Every cause code of the public contract, in the order of the documentation table.
+CODES: tuple[str, ...] = (
+    "overflow",
+    "underflow",
+    "nan-from-inf",
+    "masked-row-nan",
+    "constant-out-of-range",
+    "precision-loss",
+    "saturation",
+    "must-stay-fp32",
+    "unused-parameters",
+    "low-precision-params",
+    "loss-scale-collapse",
+    "loss-scaling-misuse",
+    "fp8-scale",
+    "nonfinite-input",
+)
+
+#: Version of the JSON document produced by :meth:`Report.to_dict` (see ``ampdoctor/report/schema.json``).
+SCHEMA_VERSION = "1.0"
+
+
+def _jsonable(value: Any) -> Any:
+    """Numbers that JSON cannot hold (inf, NaN) become strings; containers are converted recursively."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, bool)) or value is None:
+        return value
+    return str(value)
+
+
+@dataclass(frozen=True)
+class FixProposal:
+    """A remedy proposed for a finding.
+
+    ``id`` names a registered fix action (see :mod:`ampdoctor.fixes`) or is ``""`` for advice that cannot be
+    applied automatically; ``params`` are its arguments; ``snippet`` is code the user can paste.
+    ``verified`` is ``None`` until a fix was re-run; then ``True``/``False`` with numbers in ``verification``.
+    """
+
+    title: str
+    snippet: str = ""
+    id: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
+    verified: bool | None = None
+    verification: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _jsonable(
+            {
+                "id": self.id,
+                "title": self.title,
+                "snippet": self.snippet,
+                "params": self.params,
+                "verified": self.verified,
+                "verification": self.verification,
+            }
+        )
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One cause found in a run.
+
+    ``module`` is the qualified name as in ``model.named_modules()`` (``""`` for the root or none), ``op``
+    the aten overload (``"aten.pow.Tensor_Scalar"``) or ``""``, ``phase`` one of :data:`PHASES`.
+    ``evidence`` holds the numbers behind the explanation.
+    """
+
+    code: str
+    severity: Severity
+    module: str
+    op: str
+    phase: Phase
+    title: str
+    explanation: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    fixes: tuple[FixProposal, ...] = ()
+    step: int = 0
+
+    def __post_init__(self) -> None:
+        if self.code not in CODES:
+            raise ValueError(f"unknown finding code {self.code!r}; expected one of {', '.join(CODES)}")
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"invalid severity {self.severity!r}, expected one of {SEVERITIES}")
+        if self.phase not in PHASES:
+            raise ValueError(f"invalid phase {self.phase!r}, expected one of {PHASES}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return _jsonable(
+            {
+                "code": self.code,
+                "severity": self.severity,
+                "module": self.module,
+                "op": self.op,
+                "phase": self.phase,
+                "step": self.step,
+                "title": self.title,
+                "explanation": self.explanation,
+                "evidence": self.evidence,
+                "fixes": [f.to_dict() for f in self.fixes],
+            }
+        )
+
+
+@dataclass(frozen=True)
+class Report:
+    """The result of :func:`ampdoctor.diagnose`: findings, most important first.
+
+    ``findings[0]`` is the root cause. ``ok`` is true iff no finding has severity ``"error"``.
+    ``summary`` carries run facts (precision, losses of target and reference, chronological first
+    non-finite op, first NaN, lineage chain) and ``layers`` per-module range statistics for plots.
+    """
+
+    findings: tuple[Finding, ...] = ()
+    precision: str | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+    layers: tuple[dict[str, Any], ...] = ()
+    source: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.severity == "error" for f in self.findings)
+
+    @property
+    def root_cause(self) -> Finding | None:
+        return self.findings[0] if self.findings else None
+
+    def codes(self) -> list[str]:
+        return [f.code for f in self.findings]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "ok": self.ok,
+            "precision": self.precision,
+            "source": self.source,
+            "findings": [f.to_dict() for f in self.findings],
+            "summary": _jsonable(self.summary),
+            "layers": _jsonable(list(self.layers)),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Report:
+        """Rebuild a report from :meth:`to_dict` output (numbers stored as ``"inf"``/``"nan"`` stay strings)."""
+        if not isinstance(data, dict) or "findings" not in data:
+            raise ValueError("not an ampdoctor report: expected a JSON object with a 'findings' list")
+        findings = tuple(
+            Finding(
+                code=f["code"],
+                severity=f["severity"],
+                module=f.get("module", ""),
+                op=f.get("op", ""),
+                phase=f["phase"],
+                title=f.get("title", ""),
+                explanation=f.get("explanation", ""),
+                evidence=dict(f.get("evidence", {})),
+                fixes=tuple(
+                    FixProposal(
+                        title=x.get("title", ""),
+                        snippet=x.get("snippet", ""),
+                        id=x.get("id", ""),
+                        params=dict(x.get("params", {})),
+                        verified=x.get("verified"),
+                        verification=dict(x.get("verification", {})),
+                    )
+                    for x in f.get("fixes", [])
+                ),
+                step=int(f.get("step", 0)),
+            )
+            for f in data["findings"]
+        )
+        return cls(
+            findings=findings,
+            precision=data.get("precision"),
+            summary=dict(data.get("summary", {})),
+            layers=tuple(data.get("layers", [])),
+            source=data.get("source", ""),
+        )

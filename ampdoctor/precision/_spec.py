@@ -1,0 +1,205 @@
+"""What a diagnosis runs: a validated :class:`StepSpec`, from arguments or from a scenario file."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import math
+import os
+import sys
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampdoctor import AmpDoctorError
+
+#: Precisions a step can run in. ``None`` runs the step as given (it may cast or autocast itself).
+PRECISIONS: tuple[str | None, ...] = (None, "fp16", "bf16", "fp16-amp", "bf16-amp", "fp8", "fp8-e4m3", "fp8-e5m2")
+
+
+class ScenarioError(AmpDoctorError, ValueError):
+    """The model, batch, loss or scenario file cannot be run as given."""
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """A validated description of the step(s) to diagnose. Field meanings follow the scenario contract."""
+
+    model: nn.Module
+    batch: Any = None
+    precision: str | None = None
+    loss_fn: Any = None
+    optimizer: torch.optim.Optimizer | None = None
+    scaler: Any = None
+    train_step: Any = None
+    steps: int = 1
+    source: str = ""
+
+
+def _check_batch_binds(model: nn.Module, batch: Any) -> None:
+    target = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+    try:
+        sig = inspect.signature(target.forward)
+    except (TypeError, ValueError):
+        return
+    try:
+        if isinstance(batch, dict):
+            sig.bind(**batch)
+        elif isinstance(batch, (tuple, list)):
+            sig.bind(*batch)
+        elif batch is not None:
+            sig.bind(batch)
+    except TypeError as e:
+        if isinstance(batch, dict):
+            kind = "dict (passed as model(**batch))"
+        elif isinstance(batch, (tuple, list)):
+            kind = "tuple/list (passed as model(*batch))"
+        else:
+            kind = "single value (model(batch))"
+        raise ScenarioError(
+            f"the batch does not fit {type(target).__name__}.forward{sig}: {e}. The batch is a {kind}; "
+            "pass the inputs the model's forward takes (a dict of keyword arguments, a tuple of positional ones, "
+            "or one tensor)"
+        ) from None
+
+
+def make_spec(
+    model: Any,
+    batch: Any = None,
+    *,
+    precision: str | None = None,
+    loss_fn: Any = None,
+    optimizer: Any = None,
+    scaler: Any = None,
+    train_step: Any = None,
+    steps: int = 1,
+    source: str = "",
+) -> StepSpec:
+    """Validate user input; raises :class:`ScenarioError` (or TypeError) saying what to do. Changes nothing."""
+    if not isinstance(model, nn.Module):
+        raise ScenarioError(
+            f"model must be a torch.nn.Module, got {type(model).__name__}; pass the model object itself "
+            "(a scenario's make() must return {'model': <nn.Module>, ...})"
+        )
+    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+        raise ScenarioError(
+            "model is a torch.compile()d module; compiled graphs hide the individual ops. Pass the original module "
+            "(model._orig_mod) to diagnose it"
+        )
+    if precision not in PRECISIONS:
+        allowed = ", ".join(repr(p) for p in PRECISIONS)
+        raise ScenarioError(f"invalid precision {precision!r}, expected one of {allowed}")
+    params = list(model.parameters()) + list(model.buffers())
+    if any(p.is_meta for p in params):
+        raise ScenarioError(
+            "model has parameters or buffers on the meta device (no data to run); materialise the weights first, "
+            "e.g. model.to_empty(device='cpu') then load_state_dict(...), or build it outside `init_empty_weights()`"
+        )
+    if params and not any(p.is_floating_point() for p in params):
+        raise ScenarioError(
+            "model has no floating-point parameters or buffers (int-only or quantized); mixed-precision diagnosis "
+            "needs a floating-point model"
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise ScenarioError(f"loss_fn must be callable as loss_fn(output, batch) -> scalar Tensor, got {loss_fn!r}")
+    if train_step is not None and not callable(train_step):
+        raise ScenarioError(f"train_step must be callable as train_step(model, batch), got {train_step!r}")
+    if optimizer is not None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ScenarioError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        own = {id(p) for p in model.parameters()}
+        foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
+        if foreign:
+            raise ScenarioError(
+                f"the optimizer holds {len(foreign)} tensor(s) that are not parameters of this model; build the "
+                "optimizer from model.parameters() of the model you pass"
+            )
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise ScenarioError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ScenarioError(f"steps must be a positive int, got {steps!r}")
+    if isinstance(batch, dict) and not batch:
+        raise ScenarioError("the batch is an empty dict; pass the model's inputs (e.g. {'input_ids': ids})")
+    if isinstance(batch, (tuple, list)) and not batch:
+        raise ScenarioError("the batch is an empty tuple/list; pass the model's positional inputs")
+    for t in _tensors(batch):
+        if t.is_meta:
+            raise ScenarioError("the batch holds meta tensors (no data); pass real tensors")
+    if train_step is None:
+        _check_batch_binds(model, batch)
+    return StepSpec(model, batch, precision, loss_fn, optimizer, scaler, train_step, steps, source)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    from ampdoctor.trace import iter_tensors
+
+    return list(iter_tensors(obj))
+
+
+def load_scenario_module(path: str) -> Any:
+    """Import a scenario file as a fresh module (not added to ``sys.modules``)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ScenarioError(f"scenario path must be a string or path, got {type(path).__name__}")
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ScenarioError(f"scenario file not found: {path!r}; pass the path of a .py file that defines make()")
+    name = f"_ampdoctor_scenario_{uuid.uuid4().hex}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ScenarioError(f"cannot import {path!r} as Python; a scenario is a .py file that defines make()")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling need the module registered while it loads
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise ScenarioError(f"importing scenario {path!r} failed: {type(e).__name__}: {e}") from e
+    finally:
+        sys.modules.pop(name, None)
+    if not callable(getattr(module, "make", None)):
+        raise ScenarioError(
+            f"scenario {path!r} defines no make(); a scenario file must define make() returning "
+            "{'model': ..., 'batch': ..., ...}"
+        )
+    return module
+
+
+_SPEC_KEYS = ("model", "batch", "loss_fn", "precision", "optimizer", "scaler", "train_step", "steps")
+
+
+def spec_from_module(module: Any, source: str = "", **overrides: Any) -> StepSpec:
+    """Call ``module.make()`` and validate what it returns; ``overrides`` replace its keys."""
+    try:
+        made = module.make()
+    except Exception as e:
+        raise ScenarioError(f"make() of scenario {source or module!r} raised {type(e).__name__}: {e}") from e
+    if not isinstance(made, dict) or "model" not in made:
+        raise ScenarioError(
+            f"make() of {source!r} must return a dict with at least 'model', got {type(made).__name__}"
+        )
+    unknown = sorted(set(made) - set(_SPEC_KEYS))
+    if unknown:
+        raise ScenarioError(f"make() returned unknown keys {unknown}; allowed keys are {list(_SPEC_KEYS)}")
+    bad = sorted(set(overrides) - set(_SPEC_KEYS))
+    if bad:
+        raise ScenarioError(f"unknown override(s) {bad}; allowed: {list(_SPEC_KEYS)}")
+    kw = {k: made[k] for k in _SPEC_KEYS if k in made}
+    kw.update({k: v for k, v in overrides.items()})
+    model = kw.pop("model")
+    batch = kw.pop("batch", None)
+    return make_spec(model, batch, source=source, **kw)
+
+
+def expected(module: Any) -> dict[str, Any] | None:
+    exp = getattr(module, "EXPECT", None)
+    return dict(exp) if isinstance(exp, dict) else None
+
+
+def with_precision(spec: StepSpec, precision: str | None) -> StepSpec:
+    return replace(spec, precision=precision)
+
+
+def finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)

@@ -1,0 +1,189 @@
+"""Op-level numerics observation: every aten op in forward, backward and the optimizer step.
+
+>>> with ampdoctor.trace.trace(model, optimizer) as t:            # doctest: +SKIP
+...     loss = model(x).sum(); loss.backward(); optimizer.step()
+>>> result = t.result()          # one host sync: statistics are read back here
+>>> result.first_nonfinite       # doctest: +SKIP
+OpRecord(#41 aten.mm.default module='encoder.block.0.layer.1.DenseReluDense.wo' forward float16 (16, 16))
+
+``full=False`` (the default of :func:`trace`) is the cheap tier: one ``aminmax`` per floating output, no
+lineage. ``full=True`` keeps full statistics (abs max, smallest nonzero, inf/NaN/zero/subnormal counts) and
+the lineage of every value; :func:`ampdoctor.diagnose` uses it.
+
+Side effects: forward pre/post hooks on every submodule and step pre/post hooks on the optimizer, all
+removed on exit (also on exceptions). No RNG is consumed and no result changes. Host syncs: none per op;
+:meth:`Trace.result` reads all statistics with one device-to-host copy per device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampdoctor.trace._lineage import Lineage, analyse_lineage, is_nonfinite
+from ampdoctor.trace._mode import OpRecord, RecordingMode, _key
+from ampdoctor.trace._modules import ModuleAttribution, iter_tensors
+from ampdoctor.trace._stats import CHEAP_FIELDS, FULL_FIELDS, dtype_limits
+
+__all__ = [
+    "trace",
+    "Trace",
+    "TraceResult",
+    "OpRecord",
+    "Lineage",
+    "FULL_FIELDS",
+    "CHEAP_FIELDS",
+    "dtype_limits",
+    "iter_tensors",
+    "is_nonfinite",
+]
+
+
+@dataclass
+class TraceResult:
+    """Records of one traced run, with statistics on the host."""
+
+    records: list[OpRecord]
+    full: bool
+    error: dict[str, Any] | None = None
+    marks: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def first_nonfinite(self) -> OpRecord | None:
+        return next((r for r in self.records if is_nonfinite(r)), None)
+
+    @property
+    def first_nan(self) -> OpRecord | None:
+        key = "n_nan" if self.full else None
+        for r in self.records:
+            if key is None:
+                if r.stats and (r.stats["min"] != r.stats["min"] or r.stats["max"] != r.stats["max"]):
+                    return r
+            elif r.stats.get("n_nan", 0) > 0:
+                return r
+        return None
+
+    def lineage(self) -> Lineage:
+        if not self.full:
+            raise ValueError("lineage needs full statistics: use trace(..., full=True)")
+        return analyse_lineage(self.records)
+
+
+class Trace:
+    """Context manager that records a model's ops. Use :func:`trace` to make one."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, full: bool = False):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"trace() needs an nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.optimizer = optimizer
+        self.attribution = ModuleAttribution(model)
+        self.mode = RecordingMode(self.attribution, full=full)
+        self._handles: list[Any] = []
+        self._active = False
+        self.marks: dict[str, list[int]] = {}
+        self.on_optimizer_pre: list[Any] = []
+
+    def __enter__(self) -> Trace:
+        self.attribution.__enter__()
+        try:
+            if self.optimizer is not None:
+                self._handles.append(self.optimizer.register_step_pre_hook(self._opt_pre))
+                self._handles.append(self.optimizer.register_step_post_hook(self._opt_post))
+            self._index_params()
+            self.mode.__enter__()
+            self._active = True
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._active:
+                self.mode.__exit__(None, None, None)
+                self._active = False
+        finally:
+            self._remove()
+
+    def _remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.attribution.remove()
+
+    def _index_params(self) -> None:
+        ptrs: dict[int, str] = {}
+        names = self.attribution.param_names
+        for p in self.model.parameters():
+            name = names.get(id(p), "")
+            for t in (p, p.grad):
+                if t is not None:
+                    try:
+                        ptrs[t.untyped_storage().data_ptr()] = name
+                    except Exception:
+                        pass
+            if self.optimizer is not None:
+                for s in self.optimizer.state.get(p, {}).values():
+                    if isinstance(s, torch.Tensor) and s.numel() > 1:
+                        ptrs[s.untyped_storage().data_ptr()] = name
+        self.mode.param_ptrs = ptrs
+
+    def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
+        with _paused(self.mode):
+            self._index_params()
+            for cb in self.on_optimizer_pre:
+                cb()
+        self.mode.in_optimizer = True
+
+    def _opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self.mode.in_optimizer = False
+
+    # -- runner hooks --------------------------------------------------------------------------------------
+    def set_step(self, step: int) -> None:
+        self.mode.step = step
+
+    def index_of(self, t: torch.Tensor) -> int | None:
+        """Record index that produced tensor ``t`` (``None`` if unseen)."""
+        key = _key(t)
+        return None if key is None else self.mode.producer.get(key)
+
+    def mark(self, kind: str, tensors: Any) -> None:
+        """Remember which records produced ``tensors`` (e.g. ``"loss"``, ``"output"``)."""
+        for t in iter_tensors(tensors):
+            if t.is_floating_point():
+                idx = self.index_of(t)
+                if idx is not None:
+                    self.marks.setdefault(kind, []).append(idx)
+
+    def result(self) -> TraceResult:
+        """Read the statistics back (one host sync per device) and return the records."""
+        self.mode.read()
+        return TraceResult(self.mode.records, self.mode.full, self.mode.error, self.marks)
+
+
+class _paused:
+    def __init__(self, mode: RecordingMode) -> None:
+        self.mode = mode
+
+    def __enter__(self) -> None:
+        self.prev = self.mode.enabled
+        self.mode.enabled = False
+
+    def __exit__(self, *exc: object) -> None:
+        self.mode.enabled = self.prev
+
+
+def trace(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, full: bool = False) -> Trace:
+    """Observe every aten op that ``model`` (and ``optimizer.step``) runs inside the ``with`` block.
+
+    >>> with trace(model, opt) as t:                     # doctest: +SKIP
+    ...     model(x).sum().backward(); opt.step()
+    >>> t.result().first_nonfinite                      # doctest: +SKIP
+
+    Leaves the model, optimizer and results untouched; syncs with the device only in :meth:`Trace.result`.
+    """
+    return Trace(model, optimizer, full=full)

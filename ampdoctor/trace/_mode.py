@@ -1,0 +1,275 @@
+"""The recording ``TorchDispatchMode``: one record per floating-point op output, statistics kept on device.
+
+Lineage is tracked by tensor geometry: every floating output registers ``(storage pointer, offset, shape,
+stride, dtype)`` as produced by its record; an input is linked to the latest record that produced that
+geometry. Writes through another view of the same storage (``index_put_``, ``masked_fill_`` on a slice) are
+caught by a per-storage writer index, and such an input gets fresh statistics.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ampdoctor.trace._modules import ModuleAttribution
+from ampdoctor.trace._stats import BOUNDED_OPS, CHEAP_FIELDS, FULL_FIELDS, cheap_stats, full_stats
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SKIP_DIRS = (_TORCH_DIR, _OUR_DIR, os.path.dirname(torch.nn.__file__))
+_current_node = torch._C._current_autograd_node
+
+
+class OpRecord:
+    """One floating-point tensor seen by the trace: an op output, or a leaf (parameter, input, constant).
+
+    ``kind`` is ``"op"``, ``"param"`` or ``"input"``. ``inputs`` are indices of the records that produced
+    the op's floating inputs. ``stats`` is filled when the step is read back (a dict of floats).
+    """
+
+    __slots__ = (
+        "index", "op", "module", "phase", "step", "node", "dtype", "shape", "inputs", "row", "kind",
+        "src", "scalars", "name", "stats", "input_dtypes", "out_pos", "align",
+    )
+
+    def __init__(self, index: int, op: str, module: str, phase: str, step: int, node: str, dtype: torch.dtype,
+                 shape: tuple[int, ...], inputs: tuple[int, ...], row: int, kind: str = "op") -> None:
+        self.index = index
+        self.op = op
+        self.module = module
+        self.phase = phase
+        self.step = step
+        self.node = node
+        self.dtype = dtype
+        self.shape = shape
+        self.inputs = inputs
+        self.row = row
+        self.kind = kind
+        self.src: tuple[str, int] | None = None
+        self.scalars: tuple[float, ...] = ()
+        self.name = ""
+        self.stats: dict[str, float] = {}
+        self.input_dtypes: tuple[str, ...] = ()
+        self.out_pos = 0
+        self.align: tuple[Any, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"OpRecord(#{self.index} {self.op} module={self.module!r} {self.phase} {self.dtype} {self.shape})"
+
+
+def _key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except Exception:  # tensors without storage (sparse, nested, wrapper subclasses)
+        return None
+    return (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _flat(obj: Any, out: list[torch.Tensor]) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            _flat(o, out)
+
+
+def _safe(fn: Any, t: torch.Tensor, *extra: Any) -> torch.Tensor:
+    """Statistics must never break the user's step: on failure, a row of NaN marks the record unknown."""
+    try:
+        return fn(t, *extra)
+    except Exception:  # noqa: BLE001 - observation must not raise into user code
+        n = len(FULL_FIELDS) if fn is full_stats else len(CHEAP_FIELDS)
+        return torch.full((n,), math.nan, dtype=torch.float64, device=t.device)
+
+
+def _user_frame() -> tuple[str, int] | None:
+    f = sys._getframe(3)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not fn.startswith(_SKIP_DIRS) and not fn.startswith("<"):
+            return fn, f.f_lineno
+        f = f.f_back
+    return None
+
+
+class RecordingMode(TorchDispatchMode):
+    """Records every floating op output. ``full=False`` keeps only ``aminmax`` per output (cheap tier)."""
+
+    def __init__(self, attribution: ModuleAttribution, *, full: bool = True) -> None:
+        super().__init__()
+        self.attr = attribution
+        self.full = full
+        self.records: list[OpRecord] = []
+        self.rows: list[torch.Tensor] = []
+        self.producer: dict[tuple[Any, ...], int] = {}
+        self.storage_writer: dict[int, int] = {}
+        self.step = 0
+        self.in_optimizer = False
+        self.seen_backward = False
+        self._calls_seen = 0
+        self.error: dict[str, Any] | None = None
+        self.param_ptrs: dict[int, str] = {}
+        self.batch_ptrs: set[int] = set()
+        self.enabled = True
+        self._row_base = 0
+        self._read_upto = 0
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    def _phase(self, node: Any) -> str:
+        if node is not None:
+            self.seen_backward = True
+            return "backward"
+        if self.in_optimizer:
+            return "optimizer"
+        if self.attr.calls != self._calls_seen:
+            self._calls_seen = self.attr.calls
+            self.seen_backward = False
+        if self.seen_backward and not self.attr.stack:
+            return "optimizer"
+        return "forward"
+
+    def _module(self, node: Any, phase: str, tensors: list[torch.Tensor]) -> str:
+        if phase == "backward":
+            return self.attr.backward_owner(node)
+        if phase == "optimizer":
+            for t in tensors:
+                try:
+                    name = self.param_ptrs.get(t.untyped_storage().data_ptr())
+                except Exception:
+                    name = None
+                if name is not None:
+                    return name
+            return ""
+        return self.attr.current
+
+    def _leaf(self, t: torch.Tensor, key: tuple[Any, ...] | None, phase: str, module: str) -> int:
+        idx = len(self.records)
+        ptr = key[0] if key is not None else None
+        pname = self.param_ptrs.get(ptr) if ptr is not None else None
+        kind = "param" if pname is not None and phase != "optimizer" else (
+            "batch" if ptr in self.batch_ptrs else "input")
+        row = self._row_base + len(self.rows)
+        rec = OpRecord(idx, "", module, phase, self.step, "", t.dtype, tuple(t.shape), (), row, kind)
+        rec.name = pname or ""
+        self.rows.append(_safe(full_stats, t) if self.full else _safe(cheap_stats, t))
+        self.records.append(rec)
+        if key is not None:
+            self.producer[key] = idx
+        return idx
+
+    def _input_index(self, t: torch.Tensor, phase: str, module: str) -> int:
+        key = _key(t)
+        if key is None:
+            return -1
+        idx = self.producer.get(key)
+        w = self.storage_writer.get(key[0])
+        if idx is None or (w is not None and w > idx):
+            # unseen, or changed through another view since it was produced: fresh statistics
+            idx2 = self._leaf(t, key, phase, module)
+            if w is not None and idx is not None:
+                self.records[idx2].inputs = (idx, w)
+            elif w is not None:
+                self.records[idx2].inputs = (w,)
+            elif idx is not None:
+                self.records[idx2].inputs = (idx,)
+            if w is not None:
+                self.records[idx2].kind = "op"
+                self.records[idx2].op = "<view write>"
+            return idx2
+        return idx
+
+    # -- dispatch ------------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if not self.enabled:
+            return func(*args, **kwargs)
+        node = _current_node()
+        phase = self._phase(node)
+        ins: list[torch.Tensor] = []
+        _flat(args, ins)
+        for v in kwargs.values():
+            _flat(v, ins)
+        module = self._module(node, phase, ins)
+        full = self.full
+        in_idx: tuple[int, ...] = ()
+        if full:
+            in_idx = tuple(
+                self._input_index(t, phase, module) for t in ins if t.is_floating_point() and not t.is_meta
+            )
+        try:
+            out = func(*args, **kwargs)
+        except Exception as e:
+            if self.error is None:
+                self.error = {
+                    "op": str(func), "module": module, "phase": phase, "step": self.step,
+                    "node": type(node).__name__ if node is not None else "",
+                    "input_dtypes": [str(t.dtype).replace("torch.", "") for t in ins],
+                    "scalars": [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)],
+                    "message": str(e).split("\n")[0][:300],
+                    "type": type(e).__name__,
+                    "src": _user_frame() if phase == "forward" else None,
+                }
+            raise
+        outs: list[torch.Tensor] = []
+        _flat(out, outs)
+        if not outs:
+            return out
+        op = str(func)
+        node_name = type(node).__name__ if node is not None else ""
+        bounded = BOUNDED_OPS.get(func.overloadpacket.__name__) if full else None
+        src = _user_frame() if full and phase == "forward" else None
+        scalars: tuple[float, ...] = ()
+        if full:
+            scalars = tuple(
+                float(a) for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)
+            ) + tuple(float(v) for v in kwargs.values() if isinstance(v, (int, float)) and not isinstance(v, bool))
+            in_dtypes = tuple(str(t.dtype).replace("torch.", "") for t in ins if t.is_floating_point())
+        mutated = func._schema.is_mutable
+        for pos, t in enumerate(outs):
+            if not t.is_floating_point() or t.is_meta:
+                continue
+            idx = len(self.records)
+            rec = OpRecord(idx, op, module, phase, self.step, node_name, t.dtype, tuple(t.shape), in_idx,
+                           self._row_base + len(self.rows))
+            rec.out_pos = pos
+            if full:
+                rec.src = src
+                rec.scalars = scalars
+                rec.input_dtypes = in_dtypes
+                self.rows.append(_safe(full_stats, t, bounded))
+            else:
+                self.rows.append(_safe(cheap_stats, t))
+            self.records.append(rec)
+            key = _key(t)
+            if key is not None:
+                self.producer[key] = idx
+                if mutated:
+                    self.storage_writer[key[0]] = idx
+        return out
+
+    # -- read back -----------------------------------------------------------------------------------------
+    def read(self) -> None:
+        """Read the statistics of all records not read yet back to the host: ONE host sync per device."""
+        from ampdoctor.trace._stats import CHEAP_FIELDS, FULL_FIELDS
+
+        fields = FULL_FIELDS if self.full else CHEAP_FIELDS
+        rows, base = self.rows, self._row_base
+        if rows:
+            by_dev: dict[torch.device, list[int]] = {}
+            for i, r in enumerate(rows):
+                by_dev.setdefault(r.device, []).append(i)
+            values: list[list[float]] = [[] for _ in rows]
+            for idxs in by_dev.values():
+                mat = torch.stack([rows[i] for i in idxs]).cpu().tolist()
+                for i, v in zip(idxs, mat):
+                    values[i] = v
+            for rec in self.records[self._read_upto:]:
+                rec.stats = dict(zip(fields, values[rec.row - base]))
+            self._row_base += len(rows)
+            self.rows = []
+        self._read_upto = len(self.records)
