@@ -15,12 +15,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampdoctor import AmpDoctorError
 from ampdoctor.findings import Report, analyse, build_context
 from ampdoctor.findings._context import Context, chain_summary, dtype_name, limits
 from ampdoctor.precision import StepSpec, load_scenario_module, make_spec, run, saved_rng, spec_from_module
 from ampdoctor.trace._lineage import is_nonfinite
 
 log = logging.getLogger(__name__)
+
+
+class DiagnosisError(AmpDoctorError, RuntimeError):
+    """The target run crashed and no rule explains the crash."""
 
 
 def diagnose(
@@ -69,6 +74,13 @@ def diagnose_spec(spec: StepSpec, *, policy: str = "cuda") -> Report:
         target = run(spec, reference=False, policy=policy)
     ctx = build_context(spec, target, reference)
     findings = analyse(ctx)
+    if target.exc is not None and not any(f.severity == "error" for f in findings):
+        err = target.trace.error or {}
+        where = f" in {err.get('op', '?')} of {err.get('module') or '<root>'}" if err else ""
+        raise DiagnosisError(
+            f"the {spec.precision or 'as-given'} run raised {type(target.exc).__name__} at step {target.exc_step}"
+            f"{where}: {str(target.exc).splitlines()[0] if str(target.exc) else ''}. ampdoctor found no numerics "
+            "cause for it; run the step without ampdoctor to see the full traceback") from target.exc
     summary = _summary(ctx, findings, time.perf_counter() - t0)
     return Report(tuple(findings), spec.precision, summary, tuple(_layers(ctx)), spec.source)
 

@@ -178,7 +178,7 @@ def masked_row_nan(ctx: Context) -> list[Candidate]:
         nan_rows = int(r.stats["n_nan"]) // max(row, 1)
         ev = base_evidence(r)
         ev.update({"nan_rows": nan_rows, "row_length": row, "neginf_inputs": int(x.stats["n_neginf"]),
-                   "mask_origin": ctx.describe(src), "mask_literal": src.scalars and min(src.scalars) or None})
+                   "mask_origin": ctx.describe(src), "mask_literal": min(src.scalars) if src.scalars else None})
         made = "a -inf literal" if any(math.isinf(v) for v in src.scalars) else "an overflowed mask value"
         expl = (f"{where(r)} takes the softmax of {nan_rows} row(s) of length {row} whose every entry is -inf "
                 f"({made} written by {src.op} in {src.module or '<root>'}); -inf - (-inf) = NaN. Rows that keep at "

@@ -59,6 +59,9 @@ class RunResult:
     exc_traceback: str = ""
     coverage: list[list[ParamState]] = field(default_factory=list)
     scales: list[float] = field(default_factory=list)
+    #: per step, per tracked low-precision parameter: fraction of elements with a nonzero gradient whose value
+    #: did not change in the optimizer step (the update rounded away)
+    update_lost: list[dict[str, Any]] = field(default_factory=list)
     param_dtypes: dict[str, str] = field(default_factory=dict)
     optimizer_state_dtypes: dict[str, list[str]] = field(default_factory=dict)
     optimizer_info: dict[str, Any] = field(default_factory=dict)
@@ -212,6 +215,14 @@ def _coverage(model: nn.Module, names: dict[int, str], owners: dict[int, str], o
     return out
 
 
+def _low_precision_names(spec: StepSpec) -> set[str]:
+    """Trainable parameters that the target run keeps in fp16/bf16 (cast by the precision or given so)."""
+    names = {id(p): n for n, p in spec.model.named_parameters()}
+    low = {torch.float16, torch.bfloat16}
+    cast = spec.precision in LOW_DTYPES
+    return {names[id(p)] for p in spec.model.parameters() if p.requires_grad and (cast or p.dtype in low)}
+
+
 def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: bool = False) -> RunResult:
     """Run ``spec.steps`` steps on copies; ``reference=True`` is the float32, autocast-free run.
 
@@ -257,6 +268,29 @@ def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: b
             covered_step.append(tr.mode.step)
 
     tr.on_optimizer_pre.append(snapshot)
+    low_names = _low_precision_names(spec)
+    tracked = [(names.get(id(p), ""), p) for p in model.parameters() if names.get(id(p), "") in low_names]
+    before: dict[str, torch.Tensor] = {}
+
+    def params_before() -> None:
+        before.clear()
+        for n, p in tracked:
+            before[n] = p.detach().clone()
+
+    def params_after() -> None:
+        lost: dict[str, Any] = {}
+        for n, p in tracked:
+            g = p.grad
+            if g is None or n not in before:
+                continue
+            moving = g != 0
+            lost[n] = ((p.detach() == before[n]) & moving).sum().to(torch.float64) / moving.sum().clamp(min=1)
+        result.update_lost.append(lost)
+        before.clear()
+
+    if tracked and opt is not None:
+        tr.on_optimizer_pre.append(params_before)
+        tr.on_optimizer_post.append(params_after)
     for t in iter_tensors(batch):
         try:
             tr.mode.batch_ptrs.add(t.untyped_storage().data_ptr())
@@ -343,6 +377,10 @@ def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: b
     # read everything back at once: the trace statistics and the coverage zero-fractions
     zero_ts = [ps.grad_zero for cov in result.coverage for ps in cov if ps.grad_zero is not None]
     result.trace = tr.result()
+    if result.update_lost:
+        flat = [v for d in result.update_lost for v in d.values()]
+        lost_vals = iter(torch.stack([v.cpu() for v in flat]).tolist())
+        result.update_lost = [{k: next(lost_vals) for k in d} for d in result.update_lost]
     if zero_ts:
         vals = torch.stack([z.cpu() for z in zero_ts]).tolist()
         it = iter(vals)

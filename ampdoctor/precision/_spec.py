@@ -40,7 +40,8 @@ class StepSpec:
 
 
 def _check_batch_binds(model: nn.Module, batch: Any) -> None:
-    target = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+    inner = getattr(model, "module", None)
+    target: Any = inner if isinstance(inner, nn.Module) else model
     try:
         sig = inspect.signature(target.forward)
     except (TypeError, ValueError):

@@ -86,6 +86,7 @@ class Trace:
         self._active = False
         self.marks: dict[str, list[int]] = {}
         self.on_optimizer_pre: list[Any] = []
+        self.on_optimizer_post: list[Any] = []
 
     def __enter__(self) -> Trace:
         self.attribution.__enter__()
@@ -117,20 +118,25 @@ class Trace:
 
     def _index_params(self) -> None:
         ptrs: dict[int, str] = {}
+        owners: dict[int, str] = {}
         names = self.attribution.param_names
+        owner_of = self.attribution.param_owner
         for p in self.model.parameters():
             name = names.get(id(p), "")
-            for t in (p, p.grad):
+            tensors = [p, p.grad]
+            if self.optimizer is not None:
+                tensors += [s for s in self.optimizer.state.get(p, {}).values()
+                            if isinstance(s, torch.Tensor) and s.numel() > 1]
+            for t in tensors:
                 if t is not None:
                     try:
-                        ptrs[t.untyped_storage().data_ptr()] = name
+                        ptr = t.untyped_storage().data_ptr()
                     except Exception:
-                        pass
-            if self.optimizer is not None:
-                for s in self.optimizer.state.get(p, {}).values():
-                    if isinstance(s, torch.Tensor) and s.numel() > 1:
-                        ptrs[s.untyped_storage().data_ptr()] = name
+                        continue
+                    ptrs[ptr] = name
+                    owners[ptr] = owner_of.get(id(p), "")
         self.mode.param_ptrs = ptrs
+        self.mode.ptr_owner = owners
 
     def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         with _paused(self.mode):
@@ -141,6 +147,10 @@ class Trace:
 
     def _opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
         self.mode.in_optimizer = False
+        if self.on_optimizer_post:
+            with _paused(self.mode):
+                for cb in self.on_optimizer_post:
+                    cb()
 
     # -- runner hooks --------------------------------------------------------------------------------------
     def set_step(self, step: int) -> None:

@@ -88,7 +88,7 @@ def _safe(fn: Any, t: torch.Tensor, *extra: Any) -> torch.Tensor:
 
 
 def _user_frame() -> tuple[str, int] | None:
-    f = sys._getframe(3)
+    f: Any = sys._getframe(3)
     while f is not None:
         fn = f.f_code.co_filename
         if not fn.startswith(_SKIP_DIRS) and not fn.startswith("<"):
@@ -114,6 +114,7 @@ class RecordingMode(TorchDispatchMode):
         self._calls_seen = 0
         self.error: dict[str, Any] | None = None
         self.param_ptrs: dict[int, str] = {}
+        self.ptr_owner: dict[int, str] = {}
         self.batch_ptrs: set[int] = set()
         self.enabled = True
         self._row_base = 0
@@ -139,7 +140,7 @@ class RecordingMode(TorchDispatchMode):
         if phase == "optimizer":
             for t in tensors:
                 try:
-                    name = self.param_ptrs.get(t.untyped_storage().data_ptr())
+                    name = self.ptr_owner.get(t.untyped_storage().data_ptr())
                 except Exception:
                     name = None
                 if name is not None:

@@ -1,0 +1,232 @@
+"""Rules about the training setup: low-precision-params, loss-scale-collapse, loss-scaling-misuse, fp8-scale."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ampdoctor.findings._context import Context, dtype_name, limits, op_base
+from ampdoctor.findings._core_rules import LATE, base_evidence, bf16_fix, fmt, where
+from ampdoctor.findings._registry import Candidate, rule
+from ampdoctor.findings._types import Finding, FixProposal
+from ampdoctor.trace import OpRecord
+
+LOW = {"float16", "bfloat16"}
+FP8 = {"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
+
+
+def _master_fix() -> FixProposal:
+    return FixProposal(
+        "keep fp32 master weights: parameters and optimizer state in float32, low precision only in autocast",
+        "model.float()\nwith torch.autocast(device_type, dtype=torch.bfloat16):\n    loss = loss_fn(model(x), y)",
+        id="fp32_master", params={})
+
+
+@rule("low-precision-params", severity="error", precedence=25,
+      summary="trainable parameters or optimizer state in fp16/bf16 without fp32 master weights")
+def low_precision_params(ctx: Context) -> list[Candidate]:
+    """The optimizer updates fp16/bf16 parameters directly. Updates smaller than half an ulp of the weight
+    round away (bf16 has 8 significant bits: a weight of 1.0 ignores any update below 2**-8 = 0.0039); Adam's
+    ``eps=1e-8`` is 0 in fp16 and ``grad**2`` underflows, so ``m / (sqrt(v) + eps)`` divides by zero and the
+    weights become inf/NaN. Mixed precision keeps fp32 master weights for exactly this reason."""
+    out: list[Candidate] = []
+    t = ctx.target
+    recs = ctx.records
+    seen: set[str] = set()
+    # 1) a harmful origin inside the optimizer step on low-precision parameters / state
+    for o in ctx.harmful_origins():
+        r = o.record
+        if r.phase != "optimizer" or dtype_name(r.dtype) not in LOW or not r.module:
+            continue
+        if r.module in seen:
+            continue
+        seen.add(r.module)
+        ev: dict[str, Any] = base_evidence(r)
+        eps = t.optimizer_info.get("defaults", {}).get("eps")
+        ev["optimizer"] = t.optimizer_info.get("type", "")
+        if isinstance(eps, float):
+            ev["eps"] = eps
+            ev["eps_in_dtype"] = _round_to(eps, dtype_name(r.dtype))
+        zeros = [recs[i] for i in r.inputs if i >= 0 and recs[i].stats.get("n_zero", 0) > 0]
+        ev["zero_inputs"] = len(zeros)
+        expl = (f"{where(r)} updates {dtype_name(r.dtype)} parameters of {r.module} and produces "
+                f"{int(r.stats['n_nan'])} NaN / {int(r.stats['n_posinf'] + r.stats['n_neginf'])} inf from finite "
+                "inputs: the optimizer's arithmetic runs in the parameters' low precision.")
+        if isinstance(eps, float):
+            expl += (f" Its eps={eps:g} is {fmt(ev['eps_in_dtype'])} in {dtype_name(r.dtype)} (smallest subnormal "
+                     f"{fmt(limits(r.dtype)[2])}), so the denominator sqrt(v) + eps is 0 where grad**2 underflowed.")
+        fixes = (_master_fix(),
+                 FixProposal("if the weights must stay low precision, use an eps the dtype can hold",
+                             "torch.optim.Adam(params, eps=1e-4)  # fp16 holds 1e-4, not 1e-8"))
+        out.append(Candidate(Finding("low-precision-params", "error", r.module, r.op, "optimizer",
+                                     f"{r.module}: optimizer step on {dtype_name(r.dtype)} parameters overflows",
+                                     expl, ev, fixes, r.step), r.index))
+    # 2) updates rounded away
+    ref_lost = ctx.reference.update_lost if ctx.reference is not None else []
+    for step, lost in enumerate(t.update_lost):
+        for name, frac in lost.items():
+            owner = t.owners.get(name, "")
+            if frac <= 0.5 or owner in seen:
+                continue
+            ref_frac = ref_lost[step].get(name) if step < len(ref_lost) else None
+            if ref_frac is not None and ref_frac > 0.5:
+                continue  # fp32 loses them too: the gradients are zero, not the rounding
+            seen.add(owner)
+            dt = t.param_dtypes.get(name, "")
+            ev = {"parameter": name, "dtype": dt, "fraction_lost": frac, "step": step,
+                                  "ulp_at_1": 2.0 ** -7 if dt == "bfloat16" else 2.0 ** -10,
+                                  "optimizer": t.optimizer_info.get("type", "")}
+            if ref_frac is not None:
+                ev["fraction_lost_fp32"] = ref_frac
+            lr = t.optimizer_info.get("defaults", {}).get("lr")
+            if isinstance(lr, float):
+                ev["lr"] = lr
+            expl = (f"In step {step}, {frac:.0%} of the elements of {name} ({dt}) that had a nonzero gradient did "
+                    f"not change: each update was below half an ulp of the weight (ulp at 1.0 is "
+                    f"{fmt(ev['ulp_at_1'])}) and rounded away"
+                    + (f"; in fp32 {ref_frac:.0%} were lost" if ref_frac is not None else "")
+                    + ". Training silently stalls.")
+            out.append(Candidate(Finding("low-precision-params", "error", owner, "", "optimizer",
+                                         f"{owner or '<root>'}: {dt} weight updates are lost to rounding", expl,
+                                         ev, (_master_fix(),), step), LATE - 1))
+    return out
+
+
+def _round_to(x: float, dt: str) -> float:
+    import torch
+
+    d = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dt]
+    return float(torch.tensor(x, dtype=torch.float32).to(d).float())
+
+
+def scales_of(ctx: Context) -> list[float]:
+    """Loss-scale trajectory: from the run's own scaler, or read from GradScaler's update op in the trace."""
+    if ctx.target.scales:
+        return list(ctx.target.scales)
+    return [r.stats["absmax"] for r in ctx.records if op_base(r.op) == "_amp_update_scale_" and r.stats]
+
+
+@rule("loss-scale-collapse", severity="error", precedence=35,
+      summary="the dynamic loss scale keeps falling and optimizer steps are skipped")
+def loss_scale_collapse(ctx: Context) -> list[Candidate]:
+    """GradScaler halves the scale and skips ``optimizer.step()`` whenever a gradient is inf/NaN. When an op
+    produces non-finite gradients on every step, the scale falls 65536 -> 64 in 10 steps and on towards 0,
+    the weights never change, and nothing is printed. The finding names the op that makes the non-finite
+    gradients (the scaler is only the symptom)."""
+    scales = scales_of(ctx)
+    if len(scales) < 3:
+        return []
+    drops = sum(1 for a, b in zip(scales, scales[1:]) if b < a)
+    if drops < 2 or scales[-1] >= scales[0]:
+        return []
+    skipped = drops + (1 if ctx.target.scales and len(scales) == ctx.spec.steps else 0)
+    grad_origin: OpRecord | None = None
+    for o in ctx.harmful_origins():
+        if o.record.phase == "backward":
+            grad_origin = o.record
+            break
+    if grad_origin is None and ctx.harmful_origins():
+        grad_origin = ctx.harmful_origins()[0].record
+    ev: dict[str, Any] = {"scales": scales, "skipped_steps": skipped, "steps": len(scales)}
+    module, op, phase, order = "", "", "backward", LATE
+    expl = (f"The loss scale fell from {fmt(scales[0])} to {fmt(scales[-1])} over {len(scales)} steps "
+            f"({drops} reductions): each reduction is a skipped optimizer step with inf/NaN gradients.")
+    if grad_origin is not None:
+        module, op, phase, order = grad_origin.module, grad_origin.op, grad_origin.phase, grad_origin.index
+        ev["origin"] = ctx.describe(grad_origin)
+        if grad_origin.node:
+            ev["autograd_node"] = grad_origin.node
+        expl += (f" The non-finite gradients start at {where(grad_origin)}"
+                 + (f" ({grad_origin.node})" if grad_origin.node else "") + "; fix that op, not the scaler.")
+    fixes = (bf16_fix(ctx.spec.precision),
+             FixProposal("stop training when steps keep being skipped (watch the scale)",
+                         "if scaler.get_scale() < 1.0: raise RuntimeError('loss scale collapsed')"))
+    return [Candidate(Finding("loss-scale-collapse", "error", module, op, phase,  # type: ignore[arg-type]
+                              f"loss scale collapsed to {fmt(scales[-1])}", expl, ev, fixes), order)]
+
+
+@rule("loss-scaling-misuse", severity="error", precedence=22,
+      summary="the loss-scaling recipe is broken: clipping before unscale_, unscaling fp16 gradients, ...")
+def loss_scaling_misuse(ctx: Context) -> list[Candidate]:
+    """The GradScaler recipe is applied wrongly: ``scaler.unscale_`` on fp16 gradients (fp16 parameters; the
+    scaler refuses: "Attempting to unscale FP16 gradients"), gradients clipped while still multiplied by the
+    scale (``clip_grad_norm_`` before ``scaler.unscale_``, so the threshold is effectively divided by the
+    scale), or a scaler that scales a loss already scaled."""
+    out: list[Candidate] = []
+    exc = ctx.target.exc
+    if exc is not None and "unscale FP16 gradients" in str(exc):
+        low = sorted(n for n, d in ctx.target.param_dtypes.items() if d == "float16")
+        owner = ctx.target.owners.get(low[0], "") if low else ""
+        ev = {"message": str(exc).splitlines()[0], "fp16_parameters": low[:20], "count": len(low)}
+        expl = ("GradScaler.unscale_ refused fp16 gradients: the parameters themselves are fp16 (the model was "
+                "cast with .half()), so there are no fp32 master weights to unscale into. Keep the parameters in "
+                "fp32 and let autocast run the ops in fp16.")
+        out.append(Candidate(Finding("loss-scaling-misuse", "error", owner, "", "optimizer",
+                                     "GradScaler used with fp16 parameters", expl, ev, (_master_fix(),),
+                                     ctx.target.exc_step or 0), -1.0))
+    # clipping before unscale_: a norm over gradients in the optimizer phase before the unscale op of a step
+    recs = ctx.records
+    for step in sorted({r.step for r in recs}):
+        unscale = next((r for r in recs if r.step == step and "non_finite_check_and_unscale" in r.op), None)
+        first_unscale_idx = None
+        for r in recs:
+            if r.step == step and r.phase == "optimizer" and "unscale" in r.op:
+                first_unscale_idx = r.index
+                break
+        if unscale is None and first_unscale_idx is None:
+            continue
+        limit = first_unscale_idx if first_unscale_idx is not None else math.inf
+        clip = next((r for r in recs if r.step == step and r.phase == "optimizer" and r.index < limit
+                     and op_base(r.op) in ("_foreach_norm", "linalg_vector_norm", "norm")), None)
+        if clip is not None:
+            ev = base_evidence(clip)
+            ev["grad_norm_seen"] = clip.stats.get("absmax")
+            expl = (f"{where(clip)} computes a gradient norm before scaler.unscale_: the gradients are still "
+                    "multiplied by the loss scale, so clipping compares a scaled norm with your threshold.")
+            out.append(Candidate(Finding("loss-scaling-misuse", "warning", clip.module, clip.op, "optimizer",
+                                         "gradients clipped before scaler.unscale_", expl, ev, (FixProposal(
+                                             "unscale first, then clip",
+                                             "scaler.unscale_(optimizer)\ntorch.nn.utils.clip_grad_norm_("
+                                             "model.parameters(), 1.0)\nscaler.step(optimizer)"),), step),
+                                   clip.index))
+            break
+    return out
+
+
+@rule("fp8-scale", severity="error", precedence=12,
+      summary="an fp8 scaling factor is invalid (amax 0 -> inf/NaN scale) or stale (saturates at the format max)")
+def fp8_scale(ctx: Context) -> list[Candidate]:
+    """fp8 tensors carry a scale: ``scale = amax / fp8_max`` (or its inverse). An all-zero tensor (a LoRA B
+    initialised to zeros, a zero-padded row) has amax 0, so the scale is 0 and ``x / scale = 0 / 0 = NaN``;
+    a delayed scale computed from an amax history below the current amax saturates values at the format
+    max (448 for e4m3). Real recipes floor amax (e.g. 1e-12) and use a margin."""
+    out: list[Candidate] = []
+    recs = ctx.records
+    for o in ctx.harmful_origins():
+        r = o.record
+        if op_base(r.op) not in ("div", "mul", "reciprocal", "true_divide"):
+            continue
+        chain = ctx.chain(r.index)
+        fp8_cast = next((recs[i] for i in chain if dtype_name(recs[i].dtype) in FP8), None)
+        if fp8_cast is None:
+            continue
+        zero_in = [recs[i] for i in r.inputs if i >= 0 and recs[i].stats.get("n_zero", 0) > 0]
+        if not zero_in:
+            continue
+        sc = min(zero_in, key=lambda x: x.stats.get("numel", 0))
+        ev = base_evidence(r)
+        ev.update({"zero_scale_entries": int(sc.stats["n_zero"]), "scale_numel": int(sc.stats["numel"]),
+                   "fp8_dtype": dtype_name(fp8_cast.dtype), "fp8_max": limits(fp8_cast.dtype)[0],
+                   "n_nan": int(r.stats["n_nan"])})
+        expl = (f"{where(r)} divides by an fp8 scale with {int(sc.stats['n_zero'])} zero entr(ies) of "
+                f"{int(sc.stats['numel'])} (amax 0: an all-zero tensor or row), giving {int(r.stats['n_nan'])} NaN "
+                f"(0/0) that are cast to {dtype_name(fp8_cast.dtype)} at {where(fp8_cast)}; {o.reasons[0]}.")
+        fixes = (FixProposal("floor amax before computing the scale",
+                             "amax = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-12)", id="fp8_amax_floor",
+                             params={"amax_floor": 1e-12}),
+                 FixProposal("skip quantisation of all-zero tensors/blocks",
+                             "if amax == 0: return x  # nothing to scale"))
+        out.append(Candidate(Finding("fp8-scale", "error", r.module, r.op, r.phase,  # type: ignore[arg-type]
+                                     f"fp8 scale from amax 0 in {r.module or '<root>'}", expl, ev, fixes, r.step),
+                             r.index))
+    return out
