@@ -131,5 +131,89 @@ def report(file: str, html_out: str | None, json_out: str | None) -> None:
     sys.exit(0 if rep.ok else 1)
 
 
+def _spec_for(file: str | None, hf: str | None) -> Any:
+    from ampdoctor.precision import load_scenario_module, make_spec, spec_from_module
+
+    if (file is None) == (hf is None):
+        _fail("give either a scenario FILE or --hf DIR (a Hugging Face model directory)")
+    if hf is not None:
+        from ampdoctor.integrations.hf_checkpoint import load_checkpoint
+
+        made = load_checkpoint(hf)
+        return make_spec(made["model"], made["batch"], loss_fn=made["loss_fn"], source=hf)
+    return spec_from_module(load_scenario_module(str(file)), source=str(file))
+
+
+def _headroom_table(h: Any, fmt: str) -> Any:
+    from rich.table import Table
+
+    from ampdoctor.report._format import fmt_num
+
+    table = Table(title=f"headroom in {fmt} (fp32 run; margin = log2(format max / |max|), flush = share of nonzero "
+                        "values that round to 0)", title_justify="left")
+    for col in ("module", "phase", "op", "|max|", "min nonzero", "margin bits", "flush"):
+        table.add_column(col, overflow="fold")
+    rows = sorted(h.rows, key=lambda r: (r.margin_bits[fmt], -r.flush_fraction[fmt]))[:15]
+    for r in rows:
+        m = r.margin_bits[fmt]
+        style = "red" if m < 0 else ("yellow" if m < 2 or r.flush_fraction[fmt] > 0.5 else "")
+        table.add_row(r.module or "<root>", r.phase, r.op.replace("aten.", ""), fmt_num(r.absmax),
+                      fmt_num(r.min_nonzero), f"{m:+.1f}", f"{r.flush_fraction[fmt]:.0%}", style=style)
+    return table
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False), required=False)
+@click.option("--hf", type=click.Path(file_okay=False), default=None, help="a Hugging Face model directory instead")
+@click.option("--format", "fmt", type=click.Choice(["fp16", "bf16", "e4m3", "e5m2"]), default="fp16")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="write the rows as JSON")
+def headroom(file: str | None, hf: str | None, fmt: str, json_out: str | None) -> None:
+    """Per-module range headroom from one fp32 forward+backward (no low-precision run needed)."""
+    import json
+
+    from ampdoctor.precision.headroom import headroom_spec
+
+    try:
+        h = headroom_spec(_spec_for(file, hf))
+    except AmpDoctorError as e:
+        _fail(str(e))
+    console = _console()
+    console.print(_headroom_table(h, fmt))
+    bad = h.predicted_failures(fmt)
+    console.print(f"predicted to overflow in {fmt}: {', '.join(bad) or 'none'}")
+    console.print(f"suggested keep-in-fp32: {', '.join(h.keep_fp32(fmt)) or 'none'}")
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(h.to_dict(), f, indent=1, default=str)
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False), required=False)
+@click.option("--hf", type=click.Path(file_okay=False), default=None, help="a Hugging Face model directory instead")
+@click.option("--precision", type=click.Choice(["fp16", "bf16", "fp16-amp", "bf16-amp"]), default="fp16")
+def check(file: str | None, hf: str | None, precision: str) -> None:
+    """CI gate: exit 1 when the model is predicted unsafe in PRECISION or its run there fails, else 0."""
+    from dataclasses import replace
+
+    from ampdoctor.diagnose import diagnose_spec
+    from ampdoctor.precision.headroom import headroom_spec
+
+    fmt = "bf16" if precision.startswith("bf16") else "fp16"
+    try:
+        spec = _spec_for(file, hf)
+        h = headroom_spec(spec)
+        report = diagnose_spec(replace(spec, precision=precision))
+    except AmpDoctorError as e:
+        _fail(str(e))
+    bad = h.predicted_failures(fmt)
+    console = _console()
+    if bad or not report.ok:
+        root = report.findings[0] if report.findings else None
+        run_txt = f"{root.code} at {root.module or '<root>'}" if root is not None else "ok"
+        console.print(f"UNSAFE in {precision}: predicted overflow in {', '.join(bad) or 'none'}; run: {run_txt}")
+        sys.exit(1)
+    console.print(f"SAFE in {precision}: every module keeps range headroom and the {precision} run is ok")
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

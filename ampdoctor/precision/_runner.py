@@ -223,7 +223,8 @@ def _low_precision_names(spec: StepSpec) -> set[str]:
     return {names[id(p)] for p in spec.model.parameters() if p.requires_grad and (cast or p.dtype in low)}
 
 
-def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: bool = False) -> RunResult:
+def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: bool = False,
+        headroom: bool = False) -> RunResult:
     """Run ``spec.steps`` steps on copies; ``reference=True`` is the float32, autocast-free run.
 
     Exceptions raised by the step are recorded in the result (a crash is part of a diagnosis), except an
@@ -248,7 +249,10 @@ def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: b
         model.to(LOW_DTYPES[precision])
         batch = _cast_batch(batch, LOW_DTYPES[precision])
 
+    for transform in spec.transforms:
+        transform(model, opt, scaler)
     tr = Trace(model, opt, full=True)
+    tr.mode.headroom = headroom
     names = tr.attribution.param_names
     owners_by_id = tr.attribution.param_owner
     result = RunResult("reference" if reference else "target", precision, TraceResult([], True),

@@ -37,6 +37,9 @@ class StepSpec:
     train_step: Any = None
     steps: int = 1
     source: str = ""
+    #: callables ``fn(model, optimizer, scaler)`` applied to the run's copies after the precision cast, in the
+    #: reference and the target run alike (how :mod:`ampdoctor.fixes` applies a fix without editing source)
+    transforms: tuple[Any, ...] = ()
 
 
 def _check_batch_binds(model: nn.Module, batch: Any) -> None:

@@ -17,12 +17,23 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampdoctor.trace._modules import ModuleAttribution
-from ampdoctor.trace._stats import BOUNDED_OPS, CHEAP_FIELDS, FULL_FIELDS, cheap_stats, full_stats
+from ampdoctor.trace._stats import (
+    BOUNDED_OPS,
+    CHEAP_FIELDS,
+    FULL_FIELDS,
+    HEADROOM_FORMATS,
+    cheap_stats,
+    flush_counts,
+    full_stats,
+)
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SKIP_DIRS = (_TORCH_DIR, _OUR_DIR, os.path.dirname(torch.nn.__file__))
 _current_node = torch._C._current_autograd_node
+#: ops whose output memory is uninitialised: never read (their statistics would describe garbage)
+UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                           "empty_permuted"})
 
 
 class OpRecord:
@@ -87,6 +98,18 @@ def _safe(fn: Any, t: torch.Tensor, *extra: Any) -> torch.Tensor:
         return torch.full((n,), math.nan, dtype=torch.float64, device=t.device)
 
 
+def _placeholder(t: torch.Tensor, n: int) -> torch.Tensor:
+    """A finite all-zero statistics row for a tensor whose contents are not data yet."""
+    return torch.zeros(n, dtype=torch.float64, device=t.device)
+
+
+def _safe_flush(t: torch.Tensor) -> torch.Tensor:
+    try:
+        return flush_counts(t)
+    except Exception:  # noqa: BLE001 - observation must not raise into user code
+        return torch.full((len(HEADROOM_FORMATS),), math.nan, dtype=torch.float64, device=t.device)
+
+
 def _user_frame() -> tuple[str, int] | None:
     f: Any = sys._getframe(3)
     while f is not None:
@@ -117,6 +140,7 @@ class RecordingMode(TorchDispatchMode):
         self.ptr_owner: dict[int, str] = {}
         self.batch_ptrs: set[int] = set()
         self.enabled = True
+        self.headroom = False
         self._row_base = 0
         self._read_upto = 0
 
@@ -157,7 +181,10 @@ class RecordingMode(TorchDispatchMode):
         row = self._row_base + len(self.rows)
         rec = OpRecord(idx, "", module, phase, self.step, "", t.dtype, tuple(t.shape), (), row, kind)
         rec.name = pname or ""
-        self.rows.append(_safe(full_stats, t) if self.full else _safe(cheap_stats, t))
+        row = _safe(full_stats, t) if self.full else _safe(cheap_stats, t)
+        if self.full and self.headroom:
+            row = torch.cat([row, _safe_flush(t)])
+        self.rows.append(row)
         self.records.append(rec)
         if key is not None:
             self.producer[key] = idx
@@ -222,7 +249,9 @@ class RecordingMode(TorchDispatchMode):
             return out
         op = str(func)
         node_name = type(node).__name__ if node is not None else ""
-        bounded = BOUNDED_OPS.get(func.overloadpacket.__name__) if full else None
+        base = func.overloadpacket.__name__
+        uninit = base in UNINITIALISED
+        bounded = BOUNDED_OPS.get(base) if full else None
         src = _user_frame() if full and phase == "forward" else None
         scalars: tuple[float, ...] = ()
         if full:
@@ -238,11 +267,20 @@ class RecordingMode(TorchDispatchMode):
             rec = OpRecord(idx, op, module, phase, self.step, node_name, t.dtype, tuple(t.shape), in_idx,
                            self._row_base + len(self.rows))
             rec.out_pos = pos
-            if full:
+            if uninit:
+                rec.kind = "alloc"
+                row = _placeholder(t, len(FULL_FIELDS) if full else len(CHEAP_FIELDS))
+                if full and self.headroom:
+                    row = torch.cat([row, _placeholder(t, len(HEADROOM_FORMATS))])
+                self.rows.append(row)
+            elif full:
                 rec.src = src
                 rec.scalars = scalars
                 rec.input_dtypes = in_dtypes
-                self.rows.append(_safe(full_stats, t, bounded))
+                row = _safe(full_stats, t, bounded)
+                if self.headroom:
+                    row = torch.cat([row, _safe_flush(t)])
+                self.rows.append(row)
             else:
                 self.rows.append(_safe(cheap_stats, t))
             self.records.append(rec)
@@ -259,6 +297,8 @@ class RecordingMode(TorchDispatchMode):
         from ampdoctor.trace._stats import CHEAP_FIELDS, FULL_FIELDS
 
         fields = FULL_FIELDS if self.full else CHEAP_FIELDS
+        if self.full and self.headroom:
+            fields = fields + tuple(f"flush_{name}" for name, _, _ in HEADROOM_FORMATS)
         rows, base = self.rows, self._row_base
         if rows:
             by_dev: dict[torch.device, list[int]] = {}

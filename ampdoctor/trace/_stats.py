@@ -93,6 +93,23 @@ def full_stats(t: torch.Tensor, bounded: str | None = None) -> torch.Tensor:
     return torch.cat([out, tail])
 
 
+#: Flush thresholds per format (half the smallest subnormal: anything below rounds to zero), in this order.
+HEADROOM_FORMATS: tuple[tuple[str, float, float], ...] = (
+    ("fp16", 65504.0, 2.0 ** -25),
+    ("bf16", 3.3895313892515355e38, 2.0 ** -134),
+    ("e4m3", 448.0, 2.0 ** -10),
+    ("e5m2", 57344.0, 2.0 ** -17),
+)
+
+
+def flush_counts(t: torch.Tensor) -> torch.Tensor:
+    """Per format of :data:`HEADROOM_FORMATS`: count of nonzero finite values that would round to zero."""
+    x = t.detach().float()
+    a = x.abs()
+    nz = (a > 0) & torch.isfinite(a)
+    return torch.stack([(nz & (a < th)).sum() for _, _, th in HEADROOM_FORMATS]).to(torch.float64)
+
+
 def cheap_stats(t: torch.Tensor) -> torch.Tensor:
     """``[min, max]`` of ``t`` as float64 (no host sync). Empty tensors give ``[0, 0]``."""
     x = t.detach()
