@@ -111,8 +111,12 @@ def _summary(ctx: Context, findings: list[Any], elapsed: float) -> dict[str, Any
     harmful = ctx.harmful_origins()
     if harmful:
         s["chain"] = chain_summary(ctx, harmful[0].record.index)
-    if t.scales:
-        s["scales"] = t.scales
+    from ampdoctor.findings._training_rules import scales_of
+
+    scales = scales_of(ctx)
+    if scales:
+        s["scales"] = scales
+        s["skipped_steps"] = sum(1 for a, b in zip(scales, scales[1:]) if b < a)
     if t.exc is not None:
         s["exception"] = {"type": type(t.exc).__name__, "message": str(t.exc).splitlines()[0][:300] if str(t.exc)
                           else "", "step": t.exc_step}

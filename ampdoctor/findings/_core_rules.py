@@ -7,7 +7,7 @@ import math
 import os
 from typing import Any
 
-from ampdoctor.findings._context import Context, Origin, chain_summary, dtype_name, limits, nan_record, op_base
+from ampdoctor.findings._context import Context, Origin, dtype_name, limits, nan_record, op_base
 from ampdoctor.findings._registry import Candidate, rule
 from ampdoctor.findings._types import Finding, FixProposal
 from ampdoctor.trace import OpRecord
@@ -43,7 +43,7 @@ def base_evidence(r: OpRecord) -> dict[str, Any]:
     if r.node:
         ev["autograd_node"] = r.node
     if r.src:
-        ev["source"] = f"{r.src[0]}:{r.src[1]}"
+        ev["source"] = f"{os.path.basename(r.src[0])}:{r.src[1]}"
     return ev
 
 
@@ -117,7 +117,7 @@ def overflow(ctx: Context) -> list[Candidate]:
         if r.phase == "backward":
             expl += (f" It is a backward op of {r.node or 'the forward op'}: the forward value fits, its derivative "
                      "does not.")
-        ev["chain"] = chain_summary(ctx, r.index)
+        ev["first_nan"] = ctx.describe(nan) if nan is not None else None
         fixes = [keep_fp32_fix(r.module)] if r.module else []
         fixes.append(bf16_fix(ctx.spec.precision))
         out.append(Candidate(Finding(

@@ -101,9 +101,8 @@ def _round_to(x: float, dt: str) -> float:
 
 def scales_of(ctx: Context) -> list[float]:
     """Loss-scale trajectory: from the run's own scaler, or read from GradScaler's update op in the trace."""
-    if ctx.target.scales:
-        return list(ctx.target.scales)
-    return [r.stats["absmax"] for r in ctx.records if op_base(r.op) == "_amp_update_scale_" and r.stats]
+    traced = [r.stats["absmax"] for r in ctx.records if op_base(r.op) == "_amp_update_scale_" and r.stats]
+    return traced or list(ctx.target.scales)
 
 
 @rule("loss-scale-collapse", severity="error", precedence=35,
@@ -119,7 +118,7 @@ def loss_scale_collapse(ctx: Context) -> list[Candidate]:
     drops = sum(1 for a, b in zip(scales, scales[1:]) if b < a)
     if drops < 2 or scales[-1] >= scales[0]:
         return []
-    skipped = drops + (1 if ctx.target.scales and len(scales) == ctx.spec.steps else 0)
+    skipped = drops
     grad_origin: OpRecord | None = None
     for o in ctx.harmful_origins():
         if o.record.phase == "backward":

@@ -365,7 +365,7 @@ def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: b
                 raise
             except Exception as e:
                 first_forward = step == 0 and not any(r.phase != "forward" for r in tr.mode.records)
-                if reference and first_forward and tr.mode.error is not None and isinstance(e, (TypeError,)):
+                if reference and first_forward:
                     raise ScenarioError(
                         f"the model cannot run this batch even in float32: {type(e).__name__}: {e}. Check the "
                         "batch's keys, shapes and dtypes against the model's forward") from e

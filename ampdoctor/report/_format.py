@@ -1,0 +1,333 @@
+"""Reading a :class:`~ampdoctor.findings.Report` defensively, shared by the terminal and HTML renderers.
+
+``Report.summary`` and ``Report.layers`` are free-form dicts; after a JSON round trip non-finite numbers are the
+strings ``"inf"``, ``"-inf"`` and ``"nan"``. Everything here accepts missing keys and either spelling of a number.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ampdoctor.findings._types import FixProposal, Report
+
+#: Largest finite value per storage format (the value a result must stay under to not become inf).
+FORMAT_MAX: dict[str, float] = {
+    "float16": 65504.0,
+    "bfloat16": 3.3895313892515355e38,
+    "float32": 3.4028234663852886e38,
+    "float64": 1.7976931348623157e308,
+    "float8_e4m3fn": 448.0,
+    "float8_e4m3fnuz": 240.0,
+    "float8_e5m2": 57344.0,
+    "float8_e5m2fnuz": 57344.0,
+}
+
+_DTYPE_ALIASES = {
+    "half": "float16",
+    "fp16": "float16",
+    "bf16": "bfloat16",
+    "float": "float32",
+    "fp32": "float32",
+    "double": "float64",
+    "e4m3": "float8_e4m3fn",
+    "e5m2": "float8_e5m2",
+}
+
+#: Horizontal reference lines of the range plot: (label, value).
+RANGE_LINES: tuple[tuple[str, float], ...] = (
+    ("bf16 max 3.39e+38", 3.3895313892515355e38),
+    ("fp16 max 65504", 65504.0),
+    ("e4m3 max 448", 448.0),
+    ("fp16 smallest normal 6.10e-05", 2.0**-14),
+    ("fp16 smallest subnormal 5.96e-08", 2.0**-24),
+)
+
+
+def to_float(value: Any) -> float | None:
+    """A number from a report field: floats, ints and ``"inf"``/``"-inf"``/``"nan"`` strings; else ``None``."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "-inf", "nan", "infinity", "-infinity"):
+        return float(value.strip())
+    return None
+
+
+def finite(value: Any) -> float | None:
+    """Like :func:`to_float` but ``None`` for inf and NaN."""
+    x = to_float(value)
+    return x if x is not None and math.isfinite(x) else None
+
+
+def fmt_num(value: Any, *, _nested: bool = False) -> str:
+    """Numbers for people: ``1.05e+05``, ``65504``, ``1.6``, ``6.1e-05``, ``inf``; ``-`` when absent.
+
+    Strings pass through; a dict becomes ``k=v, ...`` (``{k=v, ...}`` inside a list), a list ``[a, b]``.
+    """
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    x = to_float(value)
+    if x is None:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, Mapping):
+            inner = ", ".join(f"{k}={fmt_num(v, _nested=True)}" for k, v in value.items())
+            return "{" + inner + "}" if _nested else inner
+        if isinstance(value, (list, tuple)):
+            items = [fmt_num(v, _nested=True) for v in value[:8]]
+            more = f", ... ({len(value)} values)" if len(value) > 8 else ""
+            return "[" + ", ".join(items) + more + "]"
+        return str(value)
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if x == 0:
+        return "0"
+    ax = abs(x)
+    if ax >= 1e5 or ax < 1e-3:
+        return f"{x:.3g}"
+    if x == int(x) or ax >= 1e3:
+        return f"{x:.0f}"
+    return f"{x:.4g}"
+
+
+def fmt_percent(value: Any) -> str:
+    x = finite(value)
+    if x is None:
+        return "-"
+    if x == 0:
+        return "0%"
+    pct = 100.0 * x
+    if pct < 0.1:
+        return "<0.1%"
+    return f"{pct:.1f}%"
+
+
+def canonical_dtype(dtype: Any) -> str:
+    """``"torch.float16"``, ``"half"`` and ``"float16"`` all become ``"float16"``; unknown names pass through."""
+    name = str(dtype or "").strip()
+    if name.startswith("torch."):
+        name = name[len("torch.") :]
+    return _DTYPE_ALIASES.get(name, name)
+
+
+def format_max(dtype: Any) -> float | None:
+    return FORMAT_MAX.get(canonical_dtype(dtype))
+
+
+# ---------------------------------------------------------------------------------------------------- layers
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """One entry of ``Report.layers`` with every field read defensively."""
+
+    module: str
+    depth: int
+    phase: str
+    op: str
+    dtype: str
+    ref_absmax: float | None
+    target_absmax: float | None
+    min_nonzero: float | None
+    flush_fraction: float | None
+    rel_error: float | None
+    nonfinite: int
+    margin_bits: float | None  # log2(format max / |max|); -inf when the value itself is inf
+
+    @property
+    def overflowed(self) -> bool:
+        """The target's |max| is inf."""
+        return self.target_absmax is not None and math.isinf(self.target_absmax)
+
+    @property
+    def target_nan(self) -> bool:
+        return self.target_absmax is not None and math.isnan(self.target_absmax)
+
+
+def _margin(fmax: float | None, ref: float | None, target: float | None) -> float | None:
+    if fmax is None:
+        return None
+    # The true magnitude (fp32 reference) is what has to fit; the target's own value when there is no reference.
+    for v in (ref, target):
+        if v is None or math.isnan(v):
+            continue
+        if math.isinf(v):
+            return -math.inf
+        if v > 0:
+            return math.log2(fmax / v)
+    return None
+
+
+def _layer_format_max(raw: Mapping[str, Any], dtype: str) -> float | None:
+    """The layer's own ``format_max`` when it carries one, else the max of its ``dtype``."""
+    fmax = finite(raw.get("format_max"))
+    return fmax if fmax is not None and fmax > 0 else format_max(dtype)
+
+
+def layer_rows(report: Report) -> list[LayerRow]:
+    rows = []
+    for i, raw in enumerate(report.layers or ()):
+        if not isinstance(raw, Mapping):
+            continue
+        dtype = canonical_dtype(raw.get("dtype"))
+        ref, target = to_float(raw.get("ref_absmax")), to_float(raw.get("target_absmax"))
+        depth = raw.get("depth")
+        nonfinite = raw.get("nonfinite")
+        rows.append(
+            LayerRow(
+                module=str(raw.get("module", "")),
+                depth=depth if isinstance(depth, int) and not isinstance(depth, bool) else i,
+                phase=str(raw.get("phase", "") or ""),
+                op=str(raw.get("op", "") or ""),
+                dtype=dtype,
+                ref_absmax=ref,
+                target_absmax=target,
+                min_nonzero=to_float(raw.get("min_nonzero")),
+                flush_fraction=to_float(raw.get("flush_fraction")),
+                rel_error=to_float(raw.get("rel_error")),
+                nonfinite=nonfinite if isinstance(nonfinite, int) and not isinstance(nonfinite, bool) else 0,
+                margin_bits=_margin(_layer_format_max(raw, dtype), ref, target),
+            )
+        )
+    rows.sort(key=lambda r: (r.depth, r.phase != "forward"))
+    return rows
+
+
+def least_headroom(rows: Iterable[LayerRow], limit: int = 12) -> list[LayerRow]:
+    """The ``limit`` layers closest to (or past) their format's max, least margin first; ties by depth."""
+
+    def key(r: LayerRow) -> tuple[float, int, int]:
+        margin = r.margin_bits if r.margin_bits is not None and not math.isnan(r.margin_bits) else math.inf
+        return (margin, -r.nonfinite, r.depth)
+
+    return sorted(rows, key=key)[:limit]
+
+
+def fmt_margin(bits: float | None) -> str:
+    if bits is None or math.isnan(bits):
+        return "-"
+    if math.isinf(bits):
+        return "overflow" if bits < 0 else "-"
+    return f"{bits:+.1f}"
+
+
+# ---------------------------------------------------------------------------------------------------- summary
+
+
+def site(entry: Any) -> str:
+    """``aten.mm.default in encoder.block.0 (forward, step 0)`` from a ``{"op","module","phase","step"}`` dict."""
+    if not isinstance(entry, Mapping):
+        return "-"
+    op = str(entry.get("op") or "") or "?"
+    module = str(entry.get("module") or "")
+    where = f"{op} in {module}" if module else f"{op} (model root)"
+    extras = [str(entry[k]) for k in ("phase",) if entry.get(k)]
+    if isinstance(entry.get("step"), int):
+        extras.append(f"step {entry['step']}")
+    if isinstance(entry.get("index"), int):
+        extras.append(f"op #{entry['index']}")
+    return f"{where} ({', '.join(extras)})" if extras else where
+
+
+def chain(report: Report) -> list[dict[str, str]]:
+    links = report.summary.get("chain") if isinstance(report.summary, Mapping) else None
+    out = []
+    for link in links or ():
+        if isinstance(link, Mapping):
+            out.append({k: str(link.get(k) or "") for k in ("op", "module", "phase", "what")})
+    return out
+
+
+def last_loss(values: Any) -> Any:
+    if isinstance(values, (list, tuple)) and values:
+        return values[-1]
+    return values
+
+
+def loss_text(summary: Mapping[str, Any]) -> str:
+    """``target nan, fp32 reference 3.472`` from the last entries of ``loss_target`` / ``loss_reference``."""
+    parts = []
+    for key, label in (("loss_target", "target"), ("loss_reference", "fp32 reference")):
+        if key in summary:
+            parts.append(f"{label} {fmt_num(last_loss(summary[key]))}")
+    return ", ".join(parts) or "-"
+
+
+def fix_status(fix: FixProposal) -> str:
+    if fix.verified is True:
+        return "verified ✓"
+    if fix.verified is False:
+        return "failed ✗"
+    return "untried"
+
+
+def scale_timeline(summary: Mapping[str, Any]) -> tuple[list[float | None], list[int]]:
+    """Loss scale after each step and the steps GradScaler skipped.
+
+    GradScaler halves the scale on every skipped step and never lowers it otherwise, so a step whose scale is
+    below the previous one was skipped. An explicit ``summary["skipped"]`` list of step indices wins. Step 0 has no
+    previous scale: it was skipped when its scale is below ``summary["initial_scale"]`` or, without that, when
+    ``skipped_steps`` counts one more skipped step than the drops show.
+    """
+    scales_raw = summary.get("scales")
+    if not isinstance(scales_raw, (list, tuple)):
+        return [], []
+    scales = [to_float(s) for s in scales_raw]
+    explicit = summary.get("skipped")
+    if isinstance(explicit, (list, tuple)):
+        return scales, sorted({int(s) for s in explicit if isinstance(s, int) and not isinstance(s, bool)})
+    skipped = [
+        i
+        for i in range(1, len(scales))
+        if scales[i] is not None and scales[i - 1] is not None and scales[i] < scales[i - 1]  # type: ignore[operator]
+    ]
+    initial, first = to_float(summary.get("initial_scale")), scales[0] if scales else None
+    count = summary.get("skipped_steps")
+    if initial is not None and first is not None:
+        step0 = first < initial
+    else:
+        step0 = isinstance(count, int) and not isinstance(count, bool) and count == len(skipped) + 1
+    if step0 and scales:
+        skipped.insert(0, 0)
+    return scales, skipped
+
+
+def scale_text(summary: Mapping[str, Any]) -> str:
+    """``32768 -> 64 after 10 steps, 10 skipped`` (``""`` without ``scales``)."""
+    scales, skipped = scale_timeline(summary)
+    if not scales:
+        return ""
+    count = summary.get("skipped_steps")
+    known_count = isinstance(count, int) and not isinstance(count, bool)
+    if known_count or "initial_scale" in summary or isinstance(summary.get("skipped"), (list, tuple)):
+        skipped_text = f", {count if known_count else len(skipped)} skipped"
+    else:  # whether step 0 was skipped is unknown
+        skipped_text = f", at least {len(skipped)} skipped" if skipped else ""
+    known = [x for x in scales if x is not None]
+    if not known:
+        span = "-"
+    elif len(known) == 1:
+        span = fmt_num(known[0])
+    else:
+        span = f"{fmt_num(known[0])} -> {fmt_num(known[-1])}"
+    steps = f"{len(scales)} step{'' if len(scales) == 1 else 's'}"
+    return f"{span} after {steps}{skipped_text}"
+
+
+def safe_json_for_script(value: Any) -> str:
+    """JSON that can sit inside ``<script>``: ``<``, ``>``, ``&`` and line separators become ``\\uXXXX`` escapes."""
+    text = json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+    for ch, esc in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+        text = text.replace(ch, esc)
+    return text

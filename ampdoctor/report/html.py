@@ -1,0 +1,344 @@
+"""Render a :class:`~ampdoctor.findings.Report` as one self-contained HTML file (opens offline).
+
+>>> from ampdoctor.report import write_html
+>>> write_html(report, "report.html")            # doctest: +SKIP
+
+Needs ``pip install ampdoctor[html]`` (jinja2, plotly); imported when a function is called. The plotly.js bundle
+of the installed plotly package is inlined (about 5 MB), nothing is fetched from the network. Model-supplied
+strings go through jinja2 autoescaping; the figure data sits in a ``<script type="application/json">`` element
+with ``<``, ``>`` and ``&`` written as ``\\uXXXX`` escapes, so a module named ``</script>`` cannot end it.
+"""
+
+from __future__ import annotations
+
+import html as _html
+import math
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ampdoctor.findings._types import Report
+from ampdoctor.report import _format as F
+from ampdoctor.report.jsonio import _write_atomic
+
+_LEGEND = {"orientation": "h", "x": 0, "xanchor": "left", "y": -0.22, "yanchor": "top"}
+_REF_COLOR = "#1f77b4"
+_TARGET_COLOR = "#d62728"
+_LINE_STYLE = {  # range-plot reference lines: colour, dash
+    "bf16 max": ("#9467bd", "dot"),
+    "fp16 max": ("#d62728", "dash"),
+    "e4m3 max": ("#ff7f0e", "dashdot"),
+    "fp16 smallest normal": ("#2ca02c", "dash"),
+    "fp16 smallest subnormal": ("#7f7f7f", "dot"),
+}
+
+
+def render_html(report: Report) -> str:
+    """The report as a complete HTML document (str): root cause, lineage, findings, plots, layer table."""
+    jinja2 = _import("jinja2")
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("ampdoctor.report", "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["num"] = F.fmt_num
+    env.filters["pct"] = F.fmt_percent
+    env.filters["margin"] = F.fmt_margin
+    env.filters["fix_status"] = F.fix_status
+    env.filters["site"] = F.site
+    template = env.get_template("report.html.j2")
+    return template.render(**_context(report))
+
+
+def write_html(report: Report, path: str | os.PathLike[str]) -> Path:
+    """Write :func:`render_html` to ``path`` atomically (temporary file + ``os.replace``); returns the path."""
+    return _write_atomic(Path(path), render_html(report))
+
+
+def figures(report: Report) -> list[dict[str, Any]]:
+    """Plotly figure specs (``{"id", "data", "layout"}``, plain JSON values) for the report's plots.
+
+    Range per layer (log |max| vs depth with format limits), flush fraction and relative error per layer, and
+    the loss-scale timeline when ``summary["scales"]`` exists. Empty ``layers`` gives no per-layer plots.
+    """
+    rows = F.layer_rows(report)
+    out = []
+    if rows:
+        out.append(_range_figure(report, rows))
+        if any(r.flush_fraction is not None or _positive(r.rel_error) is not None for r in rows):
+            out.append(_error_figure(rows))
+    summary = report.summary if isinstance(report.summary, Mapping) else {}
+    scales, skipped = F.scale_timeline(summary)
+    if scales:
+        out.append(_scale_figure(summary, scales, skipped))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- internals
+
+
+def _import(name: str) -> Any:
+    try:
+        return __import__(name)
+    except ImportError as e:
+        raise ImportError(f"the HTML report needs {name}: pip install 'ampdoctor[html]' (jinja2, plotly)") from e
+
+
+def _plotlyjs() -> str:
+    _import("plotly")
+    from plotly.offline import get_plotlyjs
+
+    # The bundle holds no "</script" today; if a later one does, "<\/script" means the same inside a JS string.
+    return re.sub(r"</(script)", r"<\\/\1", get_plotlyjs(), flags=re.IGNORECASE)
+
+
+def _context(report: Report) -> dict[str, Any]:
+    summary = report.summary if isinstance(report.summary, Mapping) else {}
+    rows = F.layer_rows(report)
+    facts = []
+    precision = report.precision if report.precision is not None else summary.get("precision")
+    facts.append(("precision", precision or "as given (none)"))
+    for key, label in (("steps", "steps"), ("device", "device"), ("torch_version", "torch")):
+        if summary.get(key) not in (None, ""):
+            facts.append((label, str(summary[key])))
+    if F.finite(summary.get("elapsed_s")) is not None:
+        facts.append(("elapsed", f"{F.finite(summary['elapsed_s']):.1f} s"))
+    if report.source:
+        facts.append(("source", report.source))
+    if "loss_target" in summary or "loss_reference" in summary:
+        facts.append(("loss (last step)", F.loss_text(summary)))
+    for key, label in (("first_nonfinite", "first non-finite"), ("first_nan", "first NaN")):
+        if isinstance(summary.get(key), Mapping):
+            facts.append((label, F.site(summary[key])))
+    if F.scale_text(summary):
+        facts.append(("loss scale", F.scale_text(summary)))
+    counts = {sev: sum(f.severity == sev for f in report.findings) for sev in ("error", "warning", "info")}
+    return {
+        "report": report,
+        "root": report.root_cause,
+        "others": report.findings[1:],
+        "facts": facts,
+        "tally": ", ".join(f"{n} {sev}{'s' if n != 1 else ''}" for sev, n in counts.items() if n) or "no findings",
+        "chain": F.chain(report),
+        "rows": rows,
+        "figures_json": F.safe_json_for_script(figures(report)),
+        "plotlyjs": _plotlyjs(),
+    }
+
+
+def _positive(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) and x > 0 else None
+
+
+def _log_range(values: list[Any]) -> dict[str, Any]:
+    """A log-axis range of whole decades, at least two wide, so plotly labels decades (1e-4) and not digits."""
+    finite = [v for v in (_positive(x) for x in values) if v is not None]
+    if not finite:
+        return {}
+    lo, hi = math.floor(math.log10(min(finite))), math.ceil(math.log10(max(finite)))
+    if hi - lo < 2:
+        lo, hi = lo - 1, hi + 1
+    return {"range": [lo, hi], "dtick": max(1, math.ceil((hi - lo) / 8))}
+
+
+def _hover(r: F.LayerRow) -> str:
+    # plotly renders a few HTML tags in hover text; model strings are escaped so they show literally
+    parts = [
+        f"<b>{_html.escape(r.module or '(model root)', quote=False)}</b>",
+        _html.escape(" · ".join(x for x in (r.op, r.dtype, r.phase) if x), quote=False),
+        f"reference |max| {F.fmt_num(r.ref_absmax)}, target |max| {F.fmt_num(r.target_absmax)}",
+        f"margin {F.fmt_margin(r.margin_bits)} bits, flush {F.fmt_percent(r.flush_fraction)}, "
+        f"rel. error {F.fmt_num(r.rel_error)}, non-finite {r.nonfinite}",
+    ]
+    return "<br>".join(parts)
+
+
+def _range_figure(report: Report, rows: list[F.LayerRow]) -> dict[str, Any]:
+    depths = [float(r.depth) for r in rows]
+    lo, hi = min(depths), max(depths)
+    if lo == hi:
+        lo, hi = lo - 0.5, hi + 0.5
+    values = [v for r in rows for v in (_positive(r.ref_absmax), _positive(r.target_absmax)) if v is not None]
+    summary = report.summary if isinstance(report.summary, Mapping) else {}
+    precision = str(report.precision or summary.get("precision") or "")
+    show_bf16 = (
+        precision.startswith("bf16") or any(v > 1e30 for v in values) or any(r.dtype == "bfloat16" for r in rows)
+    )
+    data: list[dict[str, Any]] = []
+    for phase, suffix, dash in (("forward", "", "solid"), ("backward", " (backward)", "dot")):
+        sub = [r for r in rows if (r.phase == "backward") == (phase == "backward")]
+        if not sub:
+            continue
+        for name, color, get in (
+            ("reference |max|", _REF_COLOR, lambda r: r.ref_absmax),
+            ("target |max|", _TARGET_COLOR, lambda r: r.target_absmax),
+        ):
+            ys = [_positive(get(r)) for r in sub]
+            if all(y is None for y in ys):
+                continue
+            data.append(
+                {
+                    "type": "scatter",
+                    "mode": "lines+markers",
+                    "name": name + suffix,
+                    "x": [r.depth for r in sub],
+                    "y": ys,
+                    "text": [_hover(r) for r in sub],
+                    "hovertemplate": "%{text}<extra></extra>",
+                    "line": {"color": color, "dash": dash},
+                    "marker": {"size": 6},
+                    "connectgaps": False,
+                }
+            )
+    visible_lines = [v for label, v in F.RANGE_LINES if show_bf16 or not label.startswith("bf16")]
+    top = 4.0 * max(values + visible_lines)
+    for name, pick, symbol in (
+        ("target |max| = inf (overflow)", lambda r: r.overflowed, "x"),
+        ("target |max| = nan", lambda r: r.target_nan, "circle-open"),
+    ):
+        marked = [r for r in rows if pick(r)]
+        if marked:
+            data.append(
+                {
+                    "type": "scatter",
+                    "mode": "markers",
+                    "name": name,
+                    "x": [r.depth for r in marked],
+                    "y": [top] * len(marked),
+                    "text": [_hover(r) for r in marked],
+                    "hovertemplate": "%{text}<extra></extra>",
+                    "marker": {"symbol": symbol, "size": 11, "color": _TARGET_COLOR},
+                }
+            )
+    for label, value in F.RANGE_LINES:
+        key = label.rsplit(" ", 1)[0]
+        color, dash = _LINE_STYLE.get(key, ("#7f7f7f", "dot"))
+        trace: dict[str, Any] = {
+            "type": "scatter",
+            "mode": "lines",
+            "name": label,
+            "x": [lo, hi],
+            "y": [value, value],
+            "hovertemplate": f"{label}<extra></extra>",
+            "line": {"color": color, "dash": dash, "width": 1},
+        }
+        if label.startswith("bf16") and not show_bf16:
+            trace["visible"] = "legendonly"
+        data.append(trace)
+    layout = {
+        "title": {"text": "Range per layer: fp32 reference vs target precision"},
+        "xaxis": {"title": {"text": "layer depth (order of first execution)"}},
+        "yaxis": {"title": {"text": "|max| (log scale)"}, "type": "log", "exponentformat": "e"},
+        "hovermode": "closest",
+        "height": 560,
+        "margin": {"t": 60, "r": 20},
+        "legend": _LEGEND,
+    }
+    return {"id": "plot-range", "data": data, "layout": layout}
+
+
+def _error_figure(rows: list[F.LayerRow]) -> dict[str, Any]:
+    data: list[dict[str, Any]] = []
+    for phase, suffix, dash in (("forward", "", "solid"), ("backward", " (backward)", "dot")):
+        sub = [r for r in rows if (r.phase == "backward") == (phase == "backward")]
+        flush = [r.flush_fraction if r.flush_fraction is not None and math.isfinite(r.flush_fraction) else None
+                 for r in sub]
+        rel = [_positive(r.rel_error) for r in sub]
+        for name, ys, color, axis in (
+            ("flush fraction", flush, "#2ca02c", "y"),
+            ("relative error", rel, "#9467bd", "y2"),
+        ):
+            if all(y is None for y in ys):
+                continue
+            data.append(
+                {
+                    "type": "scatter",
+                    "mode": "lines+markers",
+                    "name": name + suffix,
+                    "x": [r.depth for r in sub],
+                    "y": ys,
+                    "yaxis": axis,
+                    "text": [_hover(r) for r in sub],
+                    "hovertemplate": "%{text}<extra></extra>",
+                    "line": {"color": color, "dash": dash},
+                }
+            )
+    layout = {
+        "title": {"text": "Values flushed to zero and relative error per layer"},
+        "xaxis": {"title": {"text": "layer depth (order of first execution)"}},
+        "yaxis": {"title": {"text": "flush fraction"}, "tickformat": ".1%", "rangemode": "tozero"},
+        "yaxis2": {
+            "title": {"text": "relative error vs fp32 (log)"},
+            "type": "log",
+            "exponentformat": "e",
+            "overlaying": "y",
+            "side": "right",
+            **_log_range([v for t in data if t["yaxis"] == "y2" for v in t["y"]]),
+        },
+        "hovermode": "closest",
+        "height": 440,
+        "margin": {"t": 60},
+        "showlegend": True,
+        "legend": _LEGEND,
+    }
+    return {"id": "plot-error", "data": data, "layout": layout}
+
+
+def _scale_figure(summary: Mapping[str, Any], scales: list[float | None], skipped: list[int]) -> dict[str, Any]:
+    steps = list(range(len(scales)))
+    data: list[dict[str, Any]] = [
+        {
+            "type": "scatter",
+            "mode": "lines+markers",
+            "name": "loss scale",
+            "x": steps,
+            "y": [_positive(s) for s in scales],
+            "line": {"color": _REF_COLOR, "shape": "hv"},
+        }
+    ]
+    if skipped:
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "name": "skipped step",
+                "x": skipped,
+                "y": [_positive(scales[i]) if i < len(scales) else None for i in skipped],
+                "marker": {"symbol": "x", "size": 11, "color": _TARGET_COLOR},
+            }
+        )
+    for key, name, color in (("loss_target", "loss (target)", "#ff7f0e"), ("loss_reference", "loss (fp32)", "#7f7f7f")):
+        losses = summary.get(key)
+        if isinstance(losses, (list, tuple)) and len(losses) > 1:
+            data.append(
+                {
+                    "type": "scatter",
+                    "mode": "lines+markers",
+                    "name": name,
+                    "x": list(range(len(losses))),
+                    "y": [F.finite(v) for v in losses],
+                    "yaxis": "y2",
+                    "line": {"color": color, "dash": "dot"},
+                }
+            )
+    layout = {
+        "title": {"text": "Loss scale and skipped steps"},
+        "xaxis": {"title": {"text": "step"}, **({"dtick": 1} if len(scales) <= 20 else {})},
+        "yaxis": {
+            "title": {"text": "loss scale after the step (log)"},
+            "type": "log",
+            "exponentformat": "e",
+            **_log_range(scales),
+        },
+        "yaxis2": {"title": {"text": "loss"}, "overlaying": "y", "side": "right", "rangemode": "tozero"},
+        "hovermode": "x unified",
+        "height": 420,
+        "margin": {"t": 60},
+        "showlegend": True,
+        "legend": _LEGEND,
+    }
+    return {"id": "plot-scale", "data": data, "layout": layout}
