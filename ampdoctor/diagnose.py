@@ -61,8 +61,11 @@ def diagnose(
 def diagnose_file(path: str, **overrides: Any) -> Report:
     """Diagnose a scenario file (a ``.py`` defining ``make()``); ``overrides`` replace keys of ``make()``."""
     policy = overrides.pop("policy", "cuda")
-    module = load_scenario_module(path)
-    spec = spec_from_module(module, source=str(path), **overrides)
+    if policy not in ("cuda", "native"):
+        raise ValueError(f"invalid policy {policy!r}, expected 'cuda' or 'native'")
+    with saved_rng():  # importing the file and make() draw random numbers: not from the caller's stream
+        module = load_scenario_module(path)
+        spec = spec_from_module(module, source=str(path), **overrides)
     return diagnose_spec(spec, policy=policy)
 
 

@@ -7,7 +7,12 @@ run, then the code's precedence (``docs/codes.md``).
 
 from __future__ import annotations
 
-from ampdoctor.findings import _core_rules, _training_rules  # noqa: F401  (registers the rules)
+from ampdoctor.findings import (  # noqa: F401  (registers the rules)
+    _core_rules,
+    _fp32_rules,  # must-stay-fp32
+    _range_rules,  # noqa: F401  (saturation, underflow, precision-loss)
+    _training_rules,
+)
 from ampdoctor.findings._context import Context, build_context
 from ampdoctor.findings._registry import CODE_INFO, RULES, Candidate, CodeInfo, codes_markdown, rule
 from ampdoctor.findings._types import CODES, SCHEMA_VERSION, Finding, FixProposal, Report

@@ -224,6 +224,23 @@ def constant_out_of_range(ctx: Context) -> list[Candidate]:
             (_finfo_fix(err["module"]),), err["step"]), -1.0))
     for o in ctx.harmful_origins():
         r = o.record
+        if r.kind == "input" and r.stats.get("numel") == 1 and (r.stats["n_posinf"] + r.stats["n_neginf"]) > 0:
+            # a Python literal torch already converted to a one-element low-precision tensor (``x[m] = -1e9``)
+            user = next((ctx.records[i] for i in ctx.chain(r.index)[1:]
+                         if ctx.records[i].kind == "op" and ctx.records[i].stats.get("numel", 0) > 1), None)
+            if user is None:
+                continue
+            sign = "-inf" if r.stats["n_neginf"] else "inf"
+            ev = base_evidence(user)
+            ev.update({"constant": sign, "constant_dtype": dtype_name(r.dtype), "format_max": limits(r.dtype)[0]})
+            expl = (f"{where(user)} writes a one-element constant that is already {sign} in {dtype_name(r.dtype)}: "
+                    f"a Python literal beyond ±{fmt(limits(r.dtype)[0])} (like -1e9 in `x[mask] = -1e9`) is "
+                    f"converted silently. The {sign} {o.reasons[0]}.")
+            out.append(Candidate(Finding(
+                "constant-out-of-range", "error", user.module, user.op, user.phase,  # type: ignore[arg-type]
+                f"literal overflows {dtype_name(r.dtype)} in {user.module or '<root>'}", expl, ev,
+                (_finfo_fix(user.module),), user.step), r.index))
+            continue
         v = _out_of_range_constant(ctx, r)
         if v is None:
             continue

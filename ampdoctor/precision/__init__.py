@@ -5,6 +5,7 @@ reference (autocast disabled, also inside the user's own ``torch.autocast`` bloc
 code still cast). Precisions: see :data:`PRECISIONS`.
 """
 
+from ampdoctor.precision._cuda_policy import POLICIES, policy_for, policy_table_markdown
 from ampdoctor.precision._runner import ParamState, RunResult, call_model, default_loss, run, saved_rng
 from ampdoctor.precision._spec import (
     PRECISIONS,
@@ -15,8 +16,23 @@ from ampdoctor.precision._spec import (
     make_spec,
     spec_from_module,
 )
+from ampdoctor.precision.emulation import cuda_autocast
+from ampdoctor.precision.fp8 import Fp8Autocast, Fp8Recipe, Fp8Stats, Fp8TensorStats, fp8_autocast
+from ampdoctor.precision.headroom import Headroom, HeadroomRow, headroom
 
 __all__ = [
+    "POLICIES",
+    "Fp8Autocast",
+    "Fp8Recipe",
+    "Fp8Stats",
+    "Fp8TensorStats",
+    "Headroom",
+    "HeadroomRow",
+    "cuda_autocast",
+    "fp8_autocast",
+    "headroom",
+    "policy_for",
+    "policy_table_markdown",
     "PRECISIONS",
     "ParamState",
     "RunResult",

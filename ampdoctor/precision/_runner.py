@@ -184,7 +184,7 @@ def _precision_context(precision: str | None, device: torch.device, policy: str)
                 from ampdoctor.precision.emulation import cuda_autocast
             except ImportError:  # emulation not available: native autocast stands in
                 return torch.autocast(device.type, dtype=dtype)
-            return cuda_autocast(dtype)
+            return cuda_autocast(dtype, device_type=device.type)
         return torch.autocast(device.type, dtype=dtype)
     return contextlib.nullcontext()
 
@@ -215,6 +215,16 @@ def _coverage(model: nn.Module, names: dict[int, str], owners: dict[int, str], o
     return out
 
 
+def _cast_optimizer_state(opt: Any, dtype: torch.dtype) -> None:
+    """Optimizer state follows its parameters' dtype (as after ``model.half()`` and a fresh optimizer)."""
+    if opt is None:
+        return
+    for st in opt.state.values():
+        for k, v in list(st.items()):
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0:
+                st[k] = v.to(dtype)
+
+
 def _low_precision_names(spec: StepSpec) -> set[str]:
     """Trainable parameters that the target run keeps in fp16/bf16 (cast by the precision or given so)."""
     names = {id(p): n for n, p in spec.model.named_parameters()}
@@ -239,14 +249,11 @@ def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: b
         if any(t.is_floating_point() and t.dtype != torch.float32 for t in list(model.parameters()) + list(
                 model.buffers())):
             model.to(torch.float32)
-            if opt is not None:
-                for st in opt.state.values():
-                    for k, v in list(st.items()):
-                        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0:
-                            st[k] = v.to(torch.float32)
+            _cast_optimizer_state(opt, torch.float32)
         batch = _cast_batch(batch, torch.float32, only_low=True)
     elif precision in LOW_DTYPES:
         model.to(LOW_DTYPES[precision])
+        _cast_optimizer_state(opt, LOW_DTYPES[precision])
         batch = _cast_batch(batch, LOW_DTYPES[precision])
 
     for transform in spec.transforms:
@@ -326,12 +333,12 @@ def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: b
                         out = call_model(model, batch)
                         loss = spec.loss_fn(out, batch) if spec.loss_fn is not None else default_loss(out)
                     if spec.loss_fn is not None and not loss_dtype_checked:
-                        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
                             raise ScenarioError(
                                 "loss_fn must return a scalar Tensor, got "
-                                + (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
-                                   else type(loss).__name__)
-                                + "; reduce it, e.g. return loss.mean()")
+                                + (f"a {str(loss.dtype).replace('torch.', '')} tensor of shape {tuple(loss.shape)}"
+                                   if isinstance(loss, torch.Tensor) else type(loss).__name__)
+                                + "; return a floating-point scalar, e.g. loss.mean() (not argmax or a count)")
                         loss_dtype_checked = True
                     tr.mark("output", out)
                     result.output_records = tr.marks.get("output", [])

@@ -159,7 +159,8 @@ def load_scenario_module(path: str) -> Any:
     try:
         spec.loader.exec_module(module)
     except Exception as e:
-        raise ScenarioError(f"importing scenario {path!r} failed: {type(e).__name__}: {e}") from e
+        raise ScenarioError(f"importing scenario {path!r} failed: {type(e).__name__}: {e}; run it with "
+                            f"`python {path}` to see the traceback and fix the file") from e
     finally:
         sys.modules.pop(name, None)
     if not callable(getattr(module, "make", None)):
@@ -178,7 +179,9 @@ def spec_from_module(module: Any, source: str = "", **overrides: Any) -> StepSpe
     try:
         made = module.make()
     except Exception as e:
-        raise ScenarioError(f"make() of scenario {source or module!r} raised {type(e).__name__}: {e}") from e
+        raise ScenarioError(f"make() of scenario {source or module!r} raised {type(e).__name__}: {e}; call make() "
+                            "yourself (python -c 'import scenario; scenario.make()') to see the traceback and fix "
+                            "make()") from e
     if not isinstance(made, dict) or "model" not in made:
         raise ScenarioError(
             f"make() of {source!r} must return a dict with at least 'model', got {type(made).__name__}"

@@ -1,6 +1,6 @@
 """Op-level numerics observation: every aten op in forward, backward and the optimizer step.
 
->>> with ampdoctor.trace.trace(model, optimizer) as t:            # doctest: +SKIP
+>>> with ampdoctor.trace(model, optimizer) as t:                  # doctest: +SKIP
 ...     loss = model(x).sum(); loss.backward(); optimizer.step()
 >>> result = t.result()          # one host sync: statistics are read back here
 >>> result.first_nonfinite       # doctest: +SKIP
@@ -107,6 +107,7 @@ class Trace:
             if self._active:
                 self.mode.__exit__(None, None, None)
                 self._active = False
+                self.mode.scratch.clear()
         finally:
             self._remove()
 
@@ -171,7 +172,8 @@ class Trace:
 
     def result(self) -> TraceResult:
         """Read the statistics back (one host sync per device) and return the records."""
-        self.mode.read()
+        with _paused(self.mode):
+            self.mode.read()
         return TraceResult(self.mode.records, self.mode.full, self.mode.error, self.marks)
 
 

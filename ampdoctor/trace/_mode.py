@@ -22,9 +22,11 @@ from ampdoctor.trace._stats import (
     CHEAP_FIELDS,
     FULL_FIELDS,
     HEADROOM_FORMATS,
+    Scratch,
     cheap_stats,
     flush_counts,
     full_stats,
+    lite_stats,
 )
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -94,7 +96,7 @@ def _safe(fn: Any, t: torch.Tensor, *extra: Any) -> torch.Tensor:
     try:
         return fn(t, *extra)
     except Exception:  # noqa: BLE001 - observation must not raise into user code
-        n = len(FULL_FIELDS) if fn is full_stats else len(CHEAP_FIELDS)
+        n = len(CHEAP_FIELDS) if fn is cheap_stats else len(FULL_FIELDS)
         return torch.full((n,), math.nan, dtype=torch.float64, device=t.device)
 
 
@@ -103,9 +105,9 @@ def _placeholder(t: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.float64, device=t.device)
 
 
-def _safe_flush(t: torch.Tensor) -> torch.Tensor:
+def _safe_flush(t: torch.Tensor, scratch: Scratch) -> torch.Tensor:
     try:
-        return flush_counts(t)
+        return flush_counts(t, scratch)
     except Exception:  # noqa: BLE001 - observation must not raise into user code
         return torch.full((len(HEADROOM_FORMATS),), math.nan, dtype=torch.float64, device=t.device)
 
@@ -141,6 +143,7 @@ class RecordingMode(TorchDispatchMode):
         self.batch_ptrs: set[int] = set()
         self.enabled = True
         self.headroom = False
+        self.scratch = Scratch()
         self._row_base = 0
         self._read_upto = 0
 
@@ -169,6 +172,11 @@ class RecordingMode(TorchDispatchMode):
                     name = None
                 if name is not None:
                     return name
+            for t in tensors:  # temporaries and state created inside step(): the module of their producer
+                key = _key(t)
+                idx = self.producer.get(key) if key is not None else None
+                if idx is not None and self.records[idx].module:
+                    return self.records[idx].module
             return ""
         return self.attr.current
 
@@ -181,9 +189,14 @@ class RecordingMode(TorchDispatchMode):
         row = self._row_base + len(self.rows)
         rec = OpRecord(idx, "", module, phase, self.step, "", t.dtype, tuple(t.shape), (), row, kind)
         rec.name = pname or ""
-        row = _safe(full_stats, t) if self.full else _safe(cheap_stats, t)
+        if not self.full:
+            row = _safe(cheap_stats, t)
+        elif kind == "param" and not self.headroom:
+            row = _safe(lite_stats, t, self.scratch)
+        else:
+            row = _safe(full_stats, t, None, self.scratch)
         if self.full and self.headroom:
-            row = torch.cat([row, _safe_flush(t)])
+            row = torch.cat([row, _safe_flush(t, self.scratch)])
         self.rows.append(row)
         self.records.append(rec)
         if key is not None:
@@ -245,6 +258,11 @@ class RecordingMode(TorchDispatchMode):
             raise
         outs: list[torch.Tensor] = []
         _flat(out, outs)
+        if not outs and func._schema.is_mutable:
+            # in-place ops that return nothing (``_foreach_add_``): their written arguments are the outputs
+            for i, arg in enumerate(func._schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    _flat(kwargs.get(arg.name) if arg.kwarg_only else (args[i] if i < len(args) else None), outs)
         if not outs:
             return out
         op = str(func)
@@ -264,7 +282,8 @@ class RecordingMode(TorchDispatchMode):
             if not t.is_floating_point() or t.is_meta:
                 continue
             idx = len(self.records)
-            rec = OpRecord(idx, op, module, phase, self.step, node_name, t.dtype, tuple(t.shape), in_idx,
+            mod = self._module(node, phase, [t]) or module if phase == "optimizer" and len(outs) > 1 else module
+            rec = OpRecord(idx, op, mod, phase, self.step, node_name, t.dtype, tuple(t.shape), in_idx,
                            self._row_base + len(self.rows))
             rec.out_pos = pos
             if uninit:
@@ -277,9 +296,12 @@ class RecordingMode(TorchDispatchMode):
                 rec.src = src
                 rec.scalars = scalars
                 rec.input_dtypes = in_dtypes
-                row = _safe(full_stats, t, bounded)
+                if phase == "optimizer" and not self.headroom:
+                    row = _safe(lite_stats, t, self.scratch)
+                else:
+                    row = _safe(full_stats, t, bounded, self.scratch)
                 if self.headroom:
-                    row = torch.cat([row, _safe_flush(t)])
+                    row = torch.cat([row, _safe_flush(t, self.scratch)])
                 self.rows.append(row)
             else:
                 self.rows.append(_safe(cheap_stats, t))

@@ -106,22 +106,26 @@ class ModuleAttribution:
         return hook
 
     def _own(self, output: Any, name: str, start: int) -> None:
+        # Walk back from the outputs through every node created during this call (sequence number above
+        # ``start``), also through nodes a child already owns, so that inline math feeding a child is found;
+        # claim only the unowned ones.
         todo = [t.grad_fn for t in iter_tensors(output) if t.grad_fn is not None]
         owner = self.node_owner
+        seen: set[Any] = set()
         while todo:
             fn = todo.pop()
-            if fn in owner:
-                continue
-            seq = fn._sequence_nr()
-            if seq <= start and type(fn).__name__ != "AccumulateGrad":
-                continue
-            if type(fn).__name__ == "AccumulateGrad":
+            if fn in seen or type(fn).__name__ == "AccumulateGrad":
                 continue  # parameters are attributed through their owner module
-            owner[fn] = name
+            seen.add(fn)
+            seq = fn._sequence_nr()
+            if seq <= start:
+                continue
+            if fn not in owner:
+                owner[fn] = name
             if seq > self._max_seq:
                 self._max_seq = seq
             for nxt, _ in fn.next_functions:
-                if nxt is not None and nxt not in owner:
+                if nxt is not None and nxt not in seen:
                     todo.append(nxt)
 
     # -- queries -------------------------------------------------------------------------------------------

@@ -51,46 +51,103 @@ def is_float(t: torch.Tensor) -> bool:
     return t.is_floating_point()
 
 
-def full_stats(t: torch.Tensor, bounded: str | None = None) -> torch.Tensor:
-    """Full statistics of ``t`` as a float64 vector in :data:`FULL_FIELDS` order (no host sync)."""
+class Scratch:
+    """Reusable work buffers, one float buffer per (device, dtype) and one bool buffer per device.
+
+    Writing comparisons and ``abs`` into preallocated buffers (``out=``) and counting with
+    ``count_nonzero`` avoids allocating (and page-faulting) a fresh tensor per statistic: on CPU that is
+    4-10x faster for large tensors than ``(x == 0).sum()``.
+    """
+
+    def __init__(self) -> None:
+        self._float: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._bool: dict[torch.device, torch.Tensor] = {}
+
+    def floats(self, x: torch.Tensor) -> torch.Tensor:
+        key = (x.device, x.dtype)
+        buf = self._float.get(key)
+        if buf is None or buf.numel() < x.numel():
+            buf = torch.empty(max(x.numel(), 1024), dtype=x.dtype, device=x.device)
+            self._float[key] = buf
+        return buf[: x.numel()].view(x.shape)
+
+    def bools(self, x: torch.Tensor) -> torch.Tensor:
+        buf = self._bool.get(x.device)
+        if buf is None or buf.numel() < x.numel():
+            buf = torch.empty(max(x.numel(), 1024), dtype=torch.bool, device=x.device)
+            self._bool[x.device] = buf
+        return buf[: x.numel()].view(x.shape)
+
+    def clear(self) -> None:
+        self._float.clear()
+        self._bool.clear()
+
+
+def _prepare(t: torch.Tensor) -> tuple[torch.Tensor, torch.finfo]:
     x = t.detach()
+    finfo = torch.finfo(x.dtype)
     if x.dtype in _FP8:
-        finfo = torch.finfo(x.dtype)
         x = x.float()
-    else:
-        finfo = torch.finfo(x.dtype)
-    if x.is_complex():  # pragma: no cover - complex tensors are not traced
-        x = x.abs()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return x, finfo
+
+
+def full_stats(t: torch.Tensor, bounded: str | None = None, scratch: Scratch | None = None) -> torch.Tensor:
+    """Full statistics of ``t`` as a float64 vector in :data:`FULL_FIELDS` order (no host sync)."""
+    x, finfo = _prepare(t)
     n = x.numel()
     dev = x.device
     if n == 0:
         return torch.tensor([0.0, math.inf, 0, 0, 0, 0, 0, 0, 0, 0, 0], dtype=torch.float64, device=dev)
-    a = x.abs()
-    finite = torch.isfinite(x)
-    af = torch.where(finite, a, torch.zeros((), dtype=a.dtype, device=dev))
-    absmax = af.amax()
-    pos = af > 0
-    min_nz = torch.where(pos, af, torch.full((), math.inf, dtype=a.dtype, device=dev)).amin()
-    n_nan = torch.isnan(x).sum()
-    n_posinf = (x == math.inf).sum()
-    n_neginf = (x == -math.inf).sum()
-    n_zero = (x == 0).sum()
-    n_sub = (pos & (af < finfo.tiny)).sum()
-    n_at_max = (a == finfo.max).sum()
-    norm = torch.linalg.vector_norm(af, dtype=torch.float64 if af.dtype == torch.float64 else torch.float32)
+    sc = scratch if scratch is not None else Scratch()
+    b = sc.bools(x)
+    a = torch.abs(x, out=sc.floats(x))
+    cnt = torch.count_nonzero
+    n_nonzero = cnt(x)  # NaN and inf count as nonzero
+    n_nan = cnt(torch.ne(x, x, out=b))
+    n_posinf = cnt(torch.eq(x, math.inf, out=b))
+    n_neginf = cnt(torch.eq(x, -math.inf, out=b))
     if bounded == "abs1":
-        n_lim = (a == 1).sum()
+        n_lim = cnt(torch.eq(a, 1, out=b))
     elif bounded == "01":
-        n_lim = ((x == 0) | (x == 1)).sum()
+        n_lim = cnt(torch.eq(x, 1, out=b)) + (n - n_nonzero)
     elif bounded == "1":
-        n_lim = (x == 1).sum()
+        n_lim = cnt(torch.eq(x, 1, out=b))
     else:
         n_lim = torch.zeros((), dtype=torch.int64, device=dev)
-    parts = [absmax, min_nz, n_nan, n_posinf, n_neginf, n_zero, n_sub, n_at_max]
-    out = torch.stack([p.to(torch.float64) for p in parts])
-    tail = torch.stack([torch.tensor(float(n), dtype=torch.float64, device=dev), norm.to(torch.float64),
-                        n_lim.to(torch.float64)])
-    return torch.cat([out, tail])
+    n_at_max = cnt(torch.eq(a, finfo.max, out=b))
+    torch.nan_to_num_(a, nan=0.0, posinf=0.0, neginf=0.0)  # finite magnitudes only from here on
+    absmax = a.amax()
+    n_nonfinite = n_nan + n_posinf + n_neginf
+    n_zero = n - n_nonzero
+    n_sub = cnt(torch.lt(a, finfo.tiny, out=b)) - n_zero - n_nonfinite
+    norm = torch.linalg.vector_norm(a, dtype=torch.float64 if a.dtype == torch.float64 else torch.float32)
+    a.masked_fill_(torch.eq(a, 0, out=b), math.inf)
+    min_nz = a.amin()
+    parts = [absmax, min_nz, n_nan, n_posinf, n_neginf, n_zero, n_sub, n_at_max,
+             torch.full((), float(n), device=dev), norm, n_lim]
+    return torch.stack([p.to(torch.float64) for p in parts])
+
+
+def lite_stats(t: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
+    """:data:`FULL_FIELDS` from one ``aminmax`` pass: the range and which kinds of non-finite values occur
+    (counted as 0/1). Counts it cannot know (zeros, subnormals, values at the max, the norm) read 0 and
+    ``min_nonzero`` reads inf, so no count-based rule fires on them. Used for optimizer-phase outputs and
+    parameter leaves, where full counts would cost more than the optimizer step itself."""
+    x, _ = _prepare(t)
+    dev = x.device
+    if x.numel() == 0:
+        return torch.tensor([0.0, math.inf, 0, 0, 0, 0, 0, 0, 0, 0, 0], dtype=torch.float64, device=dev)
+    mn, mx = torch.aminmax(x)
+    mn, mx = mn.to(torch.float64), mx.to(torch.float64)
+    nan = (mn != mn) | (mx != mx)
+    absmax = torch.where(nan, torch.zeros((), dtype=torch.float64, device=dev), torch.maximum(mn.abs(), mx.abs()))
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
+    parts = [absmax, torch.full((), math.inf, dtype=torch.float64, device=dev), nan.to(torch.float64),
+             (mx == math.inf).to(torch.float64), (mn == -math.inf).to(torch.float64), zero, zero, zero,
+             torch.full((), float(x.numel()), dtype=torch.float64, device=dev), zero, zero]
+    return torch.stack(parts)
 
 
 #: Flush thresholds per format (half the smallest subnormal: anything below rounds to zero), in this order.
@@ -102,12 +159,17 @@ HEADROOM_FORMATS: tuple[tuple[str, float, float], ...] = (
 )
 
 
-def flush_counts(t: torch.Tensor) -> torch.Tensor:
+def flush_counts(t: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
     """Per format of :data:`HEADROOM_FORMATS`: count of nonzero finite values that would round to zero."""
-    x = t.detach().float()
-    a = x.abs()
-    nz = (a > 0) & torch.isfinite(a)
-    return torch.stack([(nz & (a < th)).sum() for _, _, th in HEADROOM_FORMATS]).to(torch.float64)
+    x, _ = _prepare(t)
+    x = x.float()
+    sc = scratch if scratch is not None else Scratch()
+    b = sc.bools(x)
+    a = torch.abs(x, out=sc.floats(x))
+    torch.nan_to_num_(a, nan=0.0, posinf=0.0, neginf=0.0)
+    zeros = x.numel() - torch.count_nonzero(a)
+    return torch.stack([torch.count_nonzero(torch.lt(a, th, out=b)) - zeros
+                        for _, _, th in HEADROOM_FORMATS]).to(torch.float64)
 
 
 def cheap_stats(t: torch.Tensor) -> torch.Tensor:
