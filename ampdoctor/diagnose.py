@@ -120,6 +120,11 @@ def _summary(ctx: Context, findings: list[Any], elapsed: float) -> dict[str, Any
     if scales:
         s["scales"] = scales
         s["skipped_steps"] = sum(1 for a, b in zip(scales, scales[1:]) if b < a)
+    if t.fp8 is not None:
+        s["fp8"] = [{"module": x.module, "role": x.role, "format": x.format, "step": x.step, "amax": x.amax,
+                     "scale": x.scale, "amax_history": x.amax_history, "saturated": x.saturated,
+                     "underflowed": x.underflowed, "nonzero": x.nonzero, "numel": x.numel}
+                    for x in t.fp8.tensors]
     if t.exc is not None:
         s["exception"] = {"type": type(t.exc).__name__, "message": str(t.exc).splitlines()[0][:300] if str(t.exc)
                           else "", "step": t.exc_step}

@@ -58,9 +58,13 @@ def low_precision_params(ctx: Context) -> list[Candidate]:
         fixes = (_master_fix(),
                  FixProposal("if the weights must stay low precision, use an eps the dtype can hold",
                              "torch.optim.Adam(params, eps=1e-4)  # fp16 holds 1e-4, not 1e-8"))
+        # rank with the first optimizer op on this module in that step: the flushed grad**2 that precedes the
+        # division belongs to the same cause
+        first = min((x.index for x in recs if x.phase == "optimizer" and x.step == r.step and x.module == r.module),
+                    default=r.index)
         out.append(Candidate(Finding("low-precision-params", "error", r.module, r.op, "optimizer",
                                      f"{r.module}: optimizer step on {dtype_name(r.dtype)} parameters overflows",
-                                     expl, ev, fixes, r.step), r.index))
+                                     expl, ev, fixes, r.step), first))
     # 2) updates rounded away
     ref_lost = ctx.reference.update_lost if ctx.reference is not None else []
     for step, lost in enumerate(t.update_lost):
@@ -199,7 +203,7 @@ def fp8_scale(ctx: Context) -> list[Candidate]:
     initialised to zeros, a zero-padded row) has amax 0, so the scale is 0 and ``x / scale = 0 / 0 = NaN``;
     a delayed scale computed from an amax history below the current amax saturates values at the format
     max (448 for e4m3). Real recipes floor amax (e.g. 1e-12) and use a margin."""
-    out: list[Candidate] = []
+    out: list[Candidate] = _emulated_fp8(ctx)
     recs = ctx.records
     for o in ctx.harmful_origins():
         r = o.record
@@ -228,4 +232,50 @@ def fp8_scale(ctx: Context) -> list[Candidate]:
         out.append(Candidate(Finding("fp8-scale", "error", r.module, r.op, r.phase,  # type: ignore[arg-type]
                                      f"fp8 scale from amax 0 in {r.module or '<root>'}", expl, ev, fixes, r.step),
                              r.index))
+    return out
+
+
+def _emulated_fp8(ctx: Context) -> list[Candidate]:
+    """Per-layer fp8 saturation / underflow / zero-amax from the emulated fp8 run (precision ``"fp8*"``)."""
+    stats = ctx.target.fp8
+    if stats is None:
+        return []
+    out: list[Candidate] = []
+    phase_of = {"input": "forward", "weight": "forward", "grad_output": "backward"}
+    for module, tensors in sorted(stats.by_module().items()):
+        for role in ("input", "weight", "grad_output"):
+            ts = [t for t in tensors if t.role == role]
+            if not ts:
+                continue
+            sat = sum(t.saturated for t in ts)
+            und = sum(t.underflowed for t in ts)
+            nz = sum(t.nonzero for t in ts)
+            numel = sum(t.numel for t in ts)
+            zero_amax = sum(1 for t in ts if t.amax == 0)
+            worst = max(ts, key=lambda t: t.amax)
+            stale = any(t.amax_history < t.amax for t in ts if t.saturated)
+            ev: dict[str, Any] = {"role": role, "format": worst.format, "saturated": sat, "underflowed": und,
+                                  "nonzero": nz, "numel": numel, "amax": worst.amax, "scale": worst.scale,
+                                  "amax_history": worst.amax_history, "zero_amax_tensors": zero_amax,
+                                  "amax_floor": stats.recipe.amax_floor, "scaling": stats.recipe.scaling}
+            parts = []
+            if sat:
+                parts.append(f"{sat} value(s) saturate at the {worst.format} max"
+                             + (" because the delayed scale comes from an amax history below the current amax "
+                                f"({fmt(worst.amax_history)} < {fmt(worst.amax)})" if stale else ""))
+            if nz and und / nz > 0.01:
+                parts.append(f"{und / nz:.0%} of the nonzero values underflow to 0 in {worst.format}")
+            if zero_amax:
+                parts.append(f"{zero_amax} tensor(s) have amax 0; the scale was floored at "
+                             f"{stats.recipe.amax_floor:g} instead of becoming inf/NaN")
+            if not parts:
+                continue
+            severity = "warning" if sat or (nz and und / nz > 0.5) else "info"
+            expl = f"fp8 {role} of {module} ({worst.format}, {stats.recipe.scaling} scaling): " + "; ".join(parts) + "."
+            fixes = (FixProposal("use current (dynamic) scaling or a margin for this layer",
+                                 "Fp8Recipe(scaling='dynamic', margin=1)"),
+                     FixProposal(f"keep {module} in bf16", "", id="keep_fp32", params={"modules": [module]}))
+            out.append(Candidate(Finding("fp8-scale", severity, module, "aten.linear.default",  # type: ignore[arg-type]
+                                         phase_of[role], f"fp8 {role} of {module}: " + parts[0], expl, ev, fixes),
+                                 LATE - 2))
     return out

@@ -69,6 +69,8 @@ class RunResult:
     owners: dict[str, str] = field(default_factory=dict)
     keep_fp32: list[str] = field(default_factory=list)
     models: Any = None
+    #: per-tensor fp8 statistics when the precision is emulated fp8 (:class:`ampdoctor.precision.Fp8Stats`)
+    fp8: Any = None
 
 
 class _NoAutocast(TorchFunctionMode):
@@ -380,6 +382,8 @@ def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: b
                 result.exc_traceback = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-3:])
                 log.info("%s run raised at step %d: %s", result.label, step, e)
                 break
+    if hasattr(fp8, "stats"):
+        result.fp8 = fp8.stats()
     if opt is not None:
         for p, st in opt.state.items():
             dts = [str(v.dtype).replace("torch.", "") for v in st.values()

@@ -1,0 +1,232 @@
+"""Training-setup codes on real failing models: low-precision-params, loss-scale-collapse, loss-scaling-misuse,
+fp8-scale (hand-written fp8 and the fp8 emulation). Each with a healthy control."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+import ampdoctor
+
+
+def mse(out, batch):  # noqa: ANN001, ANN201
+    return out.float().pow(2).mean()
+
+
+# -- low-precision-params ----------------------------------------------------------------------------------------
+def _norm_model(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict(proj=nn.Linear(32, 32), norm=nn.LayerNorm(32))).to(dtype)
+
+
+def test_bf16_weights_lose_adamw_updates() -> None:
+    model = _norm_model(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    x = torch.randn(16, 32, dtype=torch.bfloat16)
+    report = ampdoctor.diagnose(model, x, loss_fn=lambda o, b: (o.float() - 0.5).pow(2).mean(), optimizer=opt)
+    f = report.findings[0]
+    assert (f.code, f.module, f.phase, f.severity) == ("low-precision-params", "norm", "optimizer", "error")
+    # LayerNorm weights are exactly 1.0: bf16 ulp there is 2**-7, AdamW's first update is ~lr = 1e-3 < 2**-8
+    assert f.evidence["fraction_lost"] == 1.0 and f.evidence["ulp_at_1"] == 2.0 ** -7
+    assert f.evidence["fraction_lost_fp32"] == 0.0
+    assert any(fx.id == "fp32_master" for fx in f.fixes)
+
+
+def test_fp16_adam_eps_rounds_to_zero() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(proj=nn.Linear(8, 1))).half()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8)
+    report = ampdoctor.diagnose(model, torch.randn(4, 8).half(), loss_fn=lambda o, b: (o.float() ** 2).mean() * 1e-3,
+                                optimizer=opt, steps=2)
+    f = report.findings[0]
+    assert (f.code, f.module, f.phase) == ("low-precision-params", "proj", "optimizer")
+    assert f.evidence["eps"] == 1e-8 and f.evidence["eps_in_dtype"] == 0.0
+    assert "eps=1e-4" in f.fixes[1].snippet
+
+
+def test_fp32_master_weights_are_healthy() -> None:
+    model = _norm_model(torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    report = ampdoctor.diagnose(model, torch.randn(16, 32), precision="bf16-amp",
+                                loss_fn=lambda o, b: (o.float() - 0.5).pow(2).mean(), optimizer=opt)
+    assert report.ok, report.codes()
+    assert "low-precision-params" not in report.codes()
+
+
+# -- loss-scale-collapse -------------------------------------------------------------------------------------------
+class PowMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.act = nn.Tanh()  # a bounded forward; the explicit cube below overflows only in backward
+        self.down = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        return self.down(self.act(h * 0.001 + 0.0001 * h.pow(3)))
+
+
+def _collapse_setup() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = PowMLP()
+    with torch.no_grad():
+        model.up.weight.mul_(200.0)  # pre-activations ~300: 3x^2 of the cube's backward exceeds 65504
+    return model, torch.randn(8, 8)
+
+
+def test_cuda_policy_runs_the_cube_in_fp32_and_stays_healthy() -> None:
+    model, x = _collapse_setup()
+    report = ampdoctor.diagnose(model, x, precision="fp16-amp", loss_fn=mse,
+                                optimizer=torch.optim.SGD(model.parameters(), lr=1e-3),
+                                scaler=torch.amp.GradScaler("cpu"), steps=3)
+    assert report.ok, report.codes()
+    assert report.summary["scales"] == [65536.0] * 3
+
+
+def test_loss_scale_collapse_names_the_op_making_nonfinite_grads() -> None:
+    model, x = _collapse_setup()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    # native CPU autocast keeps pow in fp16 (CUDA's policy would run it in fp32 and the step would be healthy)
+    report = ampdoctor.diagnose(model, x, precision="fp16-amp", loss_fn=mse, optimizer=opt, scaler=scaler, steps=5,
+                                policy="native")
+    codes = report.codes()
+    assert "loss-scale-collapse" in codes
+    f = next(f for f in report.findings if f.code == "loss-scale-collapse")
+    assert f.phase == "backward" and f.module == ""  # the cube is inline math of the root module
+    assert f.evidence["autograd_node"] == "PowBackward0"
+    scales = f.evidence["scales"]
+    assert scales == [2.0 ** 15, 2.0 ** 14, 2.0 ** 13, 2.0 ** 12, 2.0 ** 11]  # halved on every skipped step
+    assert f.evidence["skipped_steps"] == 4
+    assert report.findings[0].code in ("overflow", "loss-scale-collapse")
+    assert report.findings[0].phase == "backward"
+
+
+def test_stable_scaler_is_healthy() -> None:
+    torch.manual_seed(0)
+    model = PowMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    report = ampdoctor.diagnose(model, torch.randn(8, 8), precision="fp16-amp", loss_fn=mse, optimizer=opt,
+                                scaler=torch.amp.GradScaler("cpu"), steps=4)
+    assert report.ok, report.codes()
+    assert report.summary["scales"] == [65536.0] * 4
+
+
+# -- loss-scaling-misuse ----------------------------------------------------------------------------------------------
+def test_clipping_before_unscale_is_flagged() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(fc=nn.Linear(8, 8), head=nn.Linear(8, 1)))
+
+    def train_step(m, batch, optimizer, scaler):  # noqa: ANN001, ANN202
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = mse(m(batch), batch)
+        scaler.scale(loss).backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)  # wrong: the grads are still scaled
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        return loss
+
+    report = ampdoctor.diagnose(model, torch.randn(4, 8), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                scaler=torch.amp.GradScaler("cpu"), train_step=train_step)
+    f = next(f for f in report.findings if f.code == "loss-scaling-misuse")
+    assert f.phase == "optimizer" and f.severity == "warning"
+    assert "scaler.unscale_(optimizer)\ntorch.nn.utils.clip_grad_norm_" in f.fixes[0].snippet
+    assert f.evidence["grad_norm_seen"] > 1000  # a norm of grads multiplied by 65536
+
+
+def test_gradscaler_with_fp16_parameters_is_misuse() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(fc=nn.Linear(8, 1)))
+    report = ampdoctor.diagnose(model, torch.randn(4, 8), precision="fp16", loss_fn=mse,
+                                optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                scaler=torch.amp.GradScaler("cpu"))
+    f = report.findings[0]
+    assert (f.code, f.phase, f.module) == ("loss-scaling-misuse", "optimizer", "fc")
+    assert "unscale FP16 gradients" in f.evidence["message"]
+
+
+def test_unscale_then_clip_is_healthy() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(fc=nn.Linear(8, 8), head=nn.Linear(8, 1)))
+
+    def train_step(m, batch, optimizer, scaler):  # noqa: ANN001, ANN202
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = mse(m(batch), batch)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        return loss
+
+    report = ampdoctor.diagnose(model, torch.randn(4, 8), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                scaler=torch.amp.GradScaler("cpu"), train_step=train_step)
+    assert "loss-scaling-misuse" not in report.codes() and report.ok
+
+
+# -- fp8-scale --------------------------------------------------------------------------------------------------------
+E4M3 = torch.float8_e4m3fn
+
+
+class Fp8Proj(nn.Module):
+    """Hand-written per-row fp8 quantisation without an amax floor (scale = amax / 448)."""
+
+    def __init__(self, zero: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(4, 16) if zero else torch.randn(4, 16) * 0.1)
+
+    @staticmethod
+    def q(x: torch.Tensor) -> torch.Tensor:
+        scale = x.abs().amax(-1, keepdim=True).float() / 448.0
+        return x + ((x.float() / scale).to(E4M3).float() * scale - x).detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q(x) @ self.q(self.weight).t()
+
+
+@pytest.mark.parametrize("zero", [True, False])
+def test_fp8_zero_amax_scale(zero: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(embed=nn.Linear(16, 16), out=Fp8Proj(zero)))
+    report = ampdoctor.diagnose(model, torch.randn(3, 16), loss_fn=mse)
+    if not zero:
+        assert report.ok, report.codes()
+        return
+    f = report.findings[0]
+    assert (f.code, f.module, f.op, f.phase) == ("fp8-scale", "out", "aten.div.Tensor", "forward")
+    assert f.evidence["zero_scale_entries"] == 4 and f.evidence["fp8_max"] == 448.0
+    assert "clamp(min=1e-12)" in f.fixes[0].snippet
+
+
+def test_emulated_fp8_reports_per_layer_saturation_and_underflow() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(a=nn.Linear(16, 32), act=nn.ReLU(), b=nn.Linear(32, 4)))
+    with torch.no_grad():
+        model.b.weight.zero_()  # zero amax: floored, not NaN
+    x = torch.randn(8, 16) * 1e-3
+    x[0, 0] = 3000.0  # one outlier: e4m3 scale 448/3000 flushes the 1e-3 values (below 2**-10 after scaling)
+    report = ampdoctor.diagnose(model, x, precision="fp8", loss_fn=mse)
+    per = {(s["module"], s["role"]): s for s in report.summary["fp8"]}
+    assert per[("a", "input")]["underflowed"] == 127 and per[("a", "input")]["nonzero"] == 128
+    assert per[("a", "input")]["amax"] == 3000.0
+    assert per[("b", "weight")]["amax"] == 0.0 and math.isfinite(per[("b", "weight")]["scale"])
+    under = next(f for f in report.findings if f.module == "a" and f.evidence.get("role") == "input")
+    assert under.code == "fp8-scale" and under.severity == "warning" and "99% of the nonzero values" in under.title
+    zero = next(f for f in report.findings if f.module == "b" and f.evidence.get("role") == "weight")
+    assert zero.severity == "info" and zero.evidence["zero_amax_tensors"] == 1
+    assert math.isfinite(report.summary["loss_target"][0])
+
+
+def test_emulated_fp8_healthy_model_has_no_warning() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(a=nn.Linear(16, 32), act=nn.ReLU(), b=nn.Linear(32, 4)))
+    report = ampdoctor.diagnose(model, torch.randn(8, 16), precision="fp8", loss_fn=mse)
+    assert report.ok
+    assert not [f for f in report.findings if f.severity != "info"]
