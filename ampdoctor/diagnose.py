@@ -135,9 +135,13 @@ def _layers(ctx: Context) -> list[dict[str, Any]]:
     """Per module and phase: the op with the largest |max| in the target, against the reference."""
     best: dict[tuple[str, str], Any] = {}
     order: dict[tuple[str, str], int] = {}
+    benign = {o.record.index for o in ctx.origins if not o.harmful}
+    carried = ctx.lineage.carried
     for r in ctx.records:
         if r.kind != "op" or r.phase not in ("forward", "backward") or r.step != 0 or not r.stats:
             continue
+        if r.index in carried and carried[r.index] <= benign:
+            continue  # benign infinities (masks, log(0)) are not range
         key = (r.module, r.phase)
         order.setdefault(key, len(order))
         amax = math.inf if (r.stats["n_posinf"] + r.stats["n_neginf"]) else r.stats["absmax"]
