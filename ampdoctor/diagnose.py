@@ -18,6 +18,7 @@ from torch import nn
 from ampdoctor import AmpDoctorError
 from ampdoctor.findings import Report, analyse, build_context
 from ampdoctor.findings._context import Context, chain_summary, dtype_name, limits
+from ampdoctor.findings._knowledge import enrich_all
 from ampdoctor.precision import StepSpec, load_scenario_module, make_spec, run, saved_rng, spec_from_module
 from ampdoctor.trace._lineage import is_nonfinite
 
@@ -76,7 +77,7 @@ def diagnose_spec(spec: StepSpec, *, policy: str = "cuda") -> Report:
     with saved_rng():
         target = run(spec, reference=False, policy=policy)
     ctx = build_context(spec, target, reference)
-    findings = analyse(ctx)
+    findings = enrich_all(analyse(ctx), spec.model, spec.precision)
     if target.exc is not None and not any(f.severity == "error" for f in findings):
         err = target.trace.error or {}
         where = f" in {err.get('op', '?')} of {err.get('module') or '<root>'}" if err else ""

@@ -209,6 +209,9 @@ def zero_fraction(ctx: Context, step: int, names: set[str]) -> tuple[float | Non
 def saturated_records(ctx: Context) -> list[tuple[OpRecord, OpRecord, float, float]]:
     """Bounded-op outputs at their bound in the target much more often than in the reference:
     ``(record, reference, target fraction, reference fraction)``."""
+    cached = ctx.__dict__.get("_ampdoctor_sat_records")
+    if cached is not None:
+        return cached
     out = []
     for r in ctx.records:
         if r.kind != "op" or r.phase != "forward" or op_base(r.op) not in BOUNDED or not is_low(r.dtype):
@@ -224,6 +227,7 @@ def saturated_records(ctx: Context) -> list[tuple[OpRecord, OpRecord, float, flo
         excess = nt - nr
         if excess >= 1 and excess >= 0.01 * n and nt > 2 * nr:
             out.append((r, ref, nt / n, nr / n))
+    ctx.__dict__["_ampdoctor_sat_records"] = out
     return out
 
 
@@ -362,22 +366,24 @@ def flush_of(ctx: Context, r: OpRecord) -> tuple[float, float, dict[str, float]]
     return s["n_zero"] - c_zero, nonzero, cmp
 
 
-def _flushed(ctx: Context, r: OpRecord) -> bool:
-    f = flush_of(ctx, r)
-    if f is None:
-        t = r.stats
-        return bool(t) and t.get("numel", 0) > 0 and t.get("n_zero") == t.get("numel") and bool(r.inputs) and all(
-            _flushed_cached(ctx, i) for i in r.inputs if i >= 0)
-    excess, nonzero, _ = f
-    return nonzero > 0 and excess > 0.5 * nonzero
-
-
 def _flushed_cached(ctx: Context, i: int) -> bool:
-    cache: dict[int, bool] = ctx.__dict__.setdefault("_ampdoctor_flushed", {})
-    if i not in cache:
-        cache[i] = False  # guards recursion
-        cache[i] = _flushed(ctx, ctx.records[i])
-    return cache[i]
+    """Record ``i`` holds exact zeros for more than half of the values nonzero in its comparison (reference, or
+    a cast's input); a record without a comparison counts when it is all zeros computed from flushed inputs.
+    Computed once for the whole trace, in record order (inputs always precede their users)."""
+    cache: dict[int, bool] | None = ctx.__dict__.get("_ampdoctor_flushed")
+    if cache is None:
+        cache = {}
+        for r in ctx.records:
+            f = flush_of(ctx, r)
+            if f is None:
+                ins = [j for j in r.inputs if j >= 0]
+                cache[r.index] = bool(r.stats) and all_zero(r.stats) and bool(ins) and all(
+                    cache.get(j, False) for j in ins)
+            else:
+                excess, nonzero, _ = f
+                cache[r.index] = nonzero > 0 and excess > 0.5 * nonzero
+        ctx.__dict__["_ampdoctor_flushed"] = cache
+    return cache.get(i, False)
 
 
 def _saturated_sources(ctx: Context) -> set[int]:
@@ -393,6 +399,9 @@ def underflow_origins(ctx: Context) -> list[tuple[OpRecord, float, float, dict[s
     already flushed, whose zeros are not an exact-zero derivative of a saturated activation, and whose reference
     values are small enough to be lost (the reference's |max| is below ``floor / u``: the flushed values matter
     relative to the tensor's own scale). ``(record, flushed fraction, nonzero, comparison stats)``."""
+    cached = ctx.__dict__.get("_ampdoctor_underflow")
+    if cached is not None:
+        return cached
     out = []
     sat = _saturated_sources(ctx)
     for r in ctx.records:
@@ -412,7 +421,7 @@ def underflow_origins(ctx: Context) -> list[tuple[OpRecord, float, float, dict[s
         if any(i >= 0 and (_flushed_cached(ctx, i) or i in sat) for i in r.inputs):
             continue  # inherited zeros, or the exact-zero derivative of a saturated activation
         out.append((r, excess / nonzero, nonzero, cmp))
-        _flushed_cached(ctx, r.index)
+    ctx.__dict__["_ampdoctor_underflow"] = out
     return out
 
 
@@ -633,7 +642,7 @@ def trig_buffer_sources(ctx: Context) -> list[tuple[OpRecord, OpRecord]]:
             continue
         frontier, visited = list(r.inputs), set()
         for _ in range(10):
-            nxt = []
+            nxt: list[int] = []
             for i in frontier:
                 if i < 0 or i in visited:
                     continue
@@ -729,7 +738,7 @@ def cancellation_nan_origins(ctx: Context) -> list[tuple[Any, OpRecord | None]]:
         frontier = [i for i in r.inputs if i >= 0]
         seen: set[int] = set()
         for _ in range(6):
-            nxt = []
+            nxt: list[int] = []
             for i in frontier:
                 if i in seen:
                     continue
@@ -759,9 +768,12 @@ def precision_loss(ctx: Context) -> list[Candidate]:
     adds to the error its inputs already carried: ``error(output) - max(error(inputs))`` -- a matmul that
     receives a 3% error and returns 3.1% is not the culprit; a subtraction that receives 0.2% and returns 80%
     (catastrophic cancellation: ``x - mean(x)`` of values with a large common offset, ``E[x**2] - E[x]**2``)
-    is. Severity ``warning`` at a 5% own error or more, ``info`` below. A NaN made from finite inputs where the
-    reference is finite (``sqrt`` of a variance that cancellation made negative) is an ``error`` reported at the
-    cancelling op."""
+    is. Everything computed from a flagged op inherits its error and is not flagged again; only the first step is
+    compared (after an optimizer step the two runs hold different weights). Severity ``warning`` at a 5% own error
+    or more; smaller own errors are ``info`` and reported only when the first step's loss (or output) deviates by
+    more than 1% and no inf/NaN explains it. At most five ops, the largest own errors. A NaN made from finite
+    inputs where the reference is finite (``sqrt`` of a variance that cancellation made negative) is an ``error``
+    reported at the cancelling op."""
     out: list[Candidate] = []
     for o, cancel in cancellation_nan_origins(ctx):
         r = o.record
@@ -828,16 +840,16 @@ def precision_loss(ctx: Context) -> list[Candidate]:
         sub_in = sum(int(x.stats.get("n_subnormal", 0)) for x in ins)
         if sub_in:
             ev["subnormal_inputs"] = sub_in
-        cancel = op_base(r.op) in CANCEL_OPS and in_max > 0 and ref.stats["absmax"] > 0 and (
+        cancelling = op_base(r.op) in CANCEL_OPS and in_max > 0 and ref.stats["absmax"] > 0 and (
             in_max / ref.stats["absmax"] > 1 / (16 * u))
-        if cancel:
+        if cancelling:
             ev["operand_absmax"] = in_max
             ev["digits_cancelled"] = math.log2(in_max / ref.stats["absmax"])
         expl = (f"{where(r)} deviates from the fp32 reference by {own:.2%} beyond the {inh:.2%} its inputs carried "
                 f"(norm {fmt(r.stats['norm'])} vs {fmt(ref.stats['norm'])}, |max| {fmt(r.stats['absmax'])} vs "
                 f"{fmt(ref.stats['absmax'])}); rounding to {dt} explains about sqrt(K) * u = "
                 f"{math.sqrt(k) * u:.2g} (K = {k}, u = {fmt(u)}; flagged above {tol:.2g}).")
-        if cancel:
+        if cancelling:
             expl += (f" Catastrophic cancellation: operands of |max| {fmt(in_max)} give a result of |max| "
                      f"{fmt(ref.stats['absmax'])}, so ~{ev['digits_cancelled']:.0f} of the leading bits cancel and "
                      f"{dt}'s rounding of the operands dominates the result.")
@@ -850,7 +862,7 @@ def precision_loss(ctx: Context) -> list[Candidate]:
             fixes.insert(0, FixProposal(
                 "use dynamic loss scaling so the gradients stay in the normal range",
                 "scaler = torch.amp.GradScaler()\nscaler.scale(loss).backward()", id="grad_scaler", params={}))
-        if cancel:
+        if cancelling:
             fixes.append(FixProposal("remove the large common offset before the low-precision part (center or "
                                      "normalize the inputs in float32)", "x = (x.float() - x.float().mean(-1, "
                                      "keepdim=True)).to(x.dtype)"))

@@ -7,6 +7,7 @@ for one code raises. ``CODE_INFO`` is the single source of the code table (sever
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -51,7 +52,7 @@ def rule(code: str, *, severity: str, precedence: int, summary: str) -> Callable
         if code in RULES:
             raise ValueError(f"a rule for {code!r} is already registered ({RULES[code].__qualname__})")
         RULES[code] = fn
-        CODE_INFO[code] = CodeInfo(code, severity, precedence, summary, (fn.__doc__ or "").strip())
+        CODE_INFO[code] = CodeInfo(code, severity, precedence, summary, inspect.cleandoc(fn.__doc__ or ""))
         return fn
 
     return deco

@@ -34,6 +34,10 @@ _OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SKIP_DIRS = (_TORCH_DIR, _OUR_DIR, os.path.dirname(torch.nn.__file__))
 _current_node = torch._C._current_autograd_node
 #: ops whose output memory is uninitialised: never read (their statistics would describe garbage)
+#: ops whose single output holds exactly the elements of their first input: they reuse its statistics row
+ALIASES = frozenset({"view", "_unsafe_view", "t", "transpose", "permute", "detach", "alias", "reshape",
+                     "unsqueeze", "squeeze", "lift_fresh", "view_as", "flatten", "unflatten", "_reshape_alias",
+                     "clone", "contiguous"})
 UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                            "empty_permuted"})
 
@@ -286,7 +290,14 @@ class RecordingMode(TorchDispatchMode):
             rec = OpRecord(idx, op, mod, phase, self.step, node_name, t.dtype, tuple(t.shape), in_idx,
                            self._row_base + len(self.rows))
             rec.out_pos = pos
-            if uninit:
+            alias_of = in_idx[0] if (full and base in ALIASES and len(outs) == 1 and len(in_idx) >= 1
+                                     and in_idx[0] >= 0 and not self.headroom) else -1
+            if alias_of >= 0 and self.records[alias_of].row >= self._row_base \
+                    and self.records[alias_of].dtype == t.dtype and self.records[alias_of].kind != "alloc":
+                src_rec = self.records[alias_of]
+                rec.row = src_rec.row  # same elements: same statistics, no extra reductions
+                rec.src, rec.scalars, rec.input_dtypes = src, scalars, in_dtypes
+            elif uninit:
                 rec.kind = "alloc"
                 row = _placeholder(t, len(FULL_FIELDS) if full else len(CHEAP_FIELDS))
                 if full and self.headroom:
