@@ -37,6 +37,32 @@ def _emit(report: ampdoctor.Report, json_out: str | None, html_out: str | None, 
         write_html(report, html_out)
 
 
+class _phase_progress:
+    """A rich progress bar over the diagnosis phases, drawn on stderr only when it is a terminal."""
+
+    PHASES = ("reference", "target", "analysis", "done")
+
+    def __enter__(self) -> Any:
+        from rich.console import Console
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        console = Console(stderr=True)
+        self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                            console=console, transient=True, disable=not console.is_terminal)
+        self.bar.__enter__()
+        self.task = self.bar.add_task("fp32 reference run", total=len(self.PHASES) - 1)
+        labels = {"reference": "fp32 reference run", "target": "target-precision run", "analysis": "analysis"}
+
+        def update(phase: str) -> None:
+            if phase in self.PHASES:
+                self.bar.update(self.task, completed=self.PHASES.index(phase), description=labels.get(phase, phase))
+
+        return update
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.__exit__(None, None, None)
+
+
 def _fail(msg: str) -> None:
     click.echo(f"ampdoctor: error: {msg}", err=True)
     sys.exit(2)
@@ -68,7 +94,8 @@ def diagnose(file: str, precision: str | None, steps: int | None, policy: str, j
     if steps is not None:
         overrides["steps"] = steps
     try:
-        report = ampdoctor.diagnose_file(file, **overrides)
+        with _phase_progress() as progress:
+            report = ampdoctor.diagnose_file(file, progress=progress, **overrides)
     except AmpDoctorError as e:
         _fail(str(e))
     _emit(report, json_out, html_out)

@@ -40,6 +40,7 @@ def diagnose(
     train_step: Any = None,
     steps: int = 1,
     policy: str = "cuda",
+    progress: Any = None,
 ) -> Report:
     """Diagnose ``steps`` training (or inference) steps of ``model`` in ``precision``.
 
@@ -47,7 +48,9 @@ def diagnose(
     >>> report.ok, report.findings[0].code                                                 # doctest: +SKIP
 
     Runs a float32 reference and the target on deep copies made together (model, optimizer, scaler), so the
-    caller's objects, their grads, hooks and the global RNG state are left exactly as they were. ``policy``
+    caller's objects, their grads, hooks and the global RNG state are left exactly as they were.
+    ``progress``, if given, is called as ``progress(phase)`` with ``"reference"``, ``"target"``, ``"analysis"``
+    and ``"done"`` as the diagnosis moves on (the CLI draws a progress bar with it). ``policy``
     chooses how ``"fp16-amp"``/``"bf16-amp"`` are run off-GPU: ``"cuda"`` emulates CUDA's autocast op policy,
     ``"native"`` uses the device's own autocast. Host syncs: one per step and run (statistics read back).
     Raises :class:`ampdoctor.precision.ScenarioError` for unusable input, before anything runs.
@@ -56,26 +59,35 @@ def diagnose(
         raise ValueError(f"invalid policy {policy!r}, expected 'cuda' or 'native'")
     spec = make_spec(model, batch, precision=precision, loss_fn=loss_fn, optimizer=optimizer, scaler=scaler,
                      train_step=train_step, steps=steps)
-    return diagnose_spec(spec, policy=policy)
+    return diagnose_spec(spec, policy=policy, progress=progress)
 
 
 def diagnose_file(path: str, **overrides: Any) -> Report:
     """Diagnose a scenario file (a ``.py`` defining ``make()``); ``overrides`` replace keys of ``make()``."""
     policy = overrides.pop("policy", "cuda")
+    progress = overrides.pop("progress", None)
     if policy not in ("cuda", "native"):
         raise ValueError(f"invalid policy {policy!r}, expected 'cuda' or 'native'")
     with saved_rng():  # importing the file and make() draw random numbers: not from the caller's stream
         module = load_scenario_module(path)
         spec = spec_from_module(module, source=str(path), **overrides)
-    return diagnose_spec(spec, policy=policy)
+    return diagnose_spec(spec, policy=policy, progress=progress)
 
 
-def diagnose_spec(spec: StepSpec, *, policy: str = "cuda") -> Report:
+def diagnose_spec(spec: StepSpec, *, policy: str = "cuda", progress: Any = None) -> Report:
+    def phase(name: str) -> None:
+        log.info("diagnose: %s", name)
+        if progress is not None:
+            progress(name)
+
     t0 = time.perf_counter()
+    phase("reference")
     with saved_rng():
         reference = run(spec, reference=True, policy=policy)
+    phase("target")
     with saved_rng():
         target = run(spec, reference=False, policy=policy)
+    phase("analysis")
     ctx = build_context(spec, target, reference)
     findings = enrich_all(analyse(ctx), spec.model, spec.precision)
     if target.exc is not None and not any(f.severity == "error" for f in findings):
@@ -86,6 +98,7 @@ def diagnose_spec(spec: StepSpec, *, policy: str = "cuda") -> Report:
             f"{where}: {str(target.exc).splitlines()[0] if str(target.exc) else ''}. ampdoctor found no numerics "
             "cause for it; run the step without ampdoctor to see the full traceback") from target.exc
     summary = _summary(ctx, findings, time.perf_counter() - t0)
+    phase("done")
     return Report(tuple(findings), spec.precision, summary, tuple(_layers(ctx)), spec.source)
 
 
