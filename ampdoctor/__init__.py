@@ -13,9 +13,12 @@ class AmpDoctorError(Exception):
     """Base class of every error ampdoctor raises on purpose. Messages say what, where and what to do."""
 
 
+from ampdoctor import watch  # noqa: E402  (a callable module: ampdoctor.watch(...) and ampdoctor.watch.replay)
 from ampdoctor.diagnose import diagnose, diagnose_file  # noqa: E402
 from ampdoctor.findings._types import CODES, Finding, FixProposal, Report  # noqa: E402
+from ampdoctor.precision.headroom import headroom  # noqa: E402
 from ampdoctor.trace import trace  # noqa: E402
+from ampdoctor.watch import AnomalyError  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -27,4 +30,7 @@ __all__ = [
     "diagnose",
     "diagnose_file",
     "trace",
+    "headroom",
+    "watch",
+    "AnomalyError",
 ]

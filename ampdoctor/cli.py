@@ -158,6 +158,42 @@ def report(file: str, html_out: str | None, json_out: str | None) -> None:
     sys.exit(0 if rep.ok else 1)
 
 
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--on-anomaly", type=click.Choice(["warn", "raise", "skip", "replay"]), default="warn",
+              help="what the watch does when a step goes wrong")
+@click.option("--reproducer-dir", type=click.Path(file_okay=False), default=None,
+              help="write a reproducer of the anomalous step here")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="write the JSON report")
+@click.argument("argv", nargs=-1, type=click.UNPROCESSED, required=True)
+def run(on_anomaly: str, reproducer_dir: str | None, json_out: str | None, argv: tuple[str, ...]) -> None:
+    """Run a training script unchanged with a watch on every optimizer it creates:
+    ampdoctor run -- python train.py ARGS"""
+    from ampdoctor.integrations.run import run_script
+
+    try:
+        report = run_script(list(argv), on_anomaly=on_anomaly, reproducer_dir=reproducer_dir)
+    except AmpDoctorError as e:
+        _fail(str(e))
+    _emit(report, json_out, None)
+    sys.exit(0 if report.ok else 1)
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="write the JSON report")
+@click.option("--html", "html_out", type=click.Path(dir_okay=False), default=None, help="write the HTML report")
+def replay(file: str, json_out: str | None, html_out: str | None) -> None:
+    """Replay a watch reproducer FILE under the full trace (its scenario file must define make())."""
+    from ampdoctor.watch import replay as replay_fn
+
+    try:
+        report = replay_fn(file)
+    except AmpDoctorError as e:
+        _fail(str(e))
+    _emit(report, json_out, html_out)
+    sys.exit(0 if report.ok else 1)
+
+
 def _spec_for(file: str | None, hf: str | None) -> Any:
     from ampdoctor.precision import load_scenario_module, make_spec, spec_from_module
 

@@ -276,6 +276,7 @@ def _emulated_fp8(ctx: Context) -> list[Candidate]:
                                  "Fp8Recipe(scaling='dynamic', margin=1)"),
                      FixProposal(f"keep {module} in bf16", "", id="keep_fp32", params={"modules": [module]}))
             out.append(Candidate(Finding("fp8-scale", severity, module, "aten.linear.default",  # type: ignore[arg-type]
-                                         phase_of[role], f"fp8 {role} of {module}: " + parts[0], expl, ev, fixes),
+                                         phase_of[role], f"fp8 {role} of {module}: " + parts[0],  # type: ignore[arg-type]
+                                         expl, ev, fixes),
                                  LATE - 2))
     return out

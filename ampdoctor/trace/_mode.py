@@ -190,8 +190,8 @@ class RecordingMode(TorchDispatchMode):
         pname = self.param_ptrs.get(ptr) if ptr is not None else None
         kind = "param" if pname is not None and phase != "optimizer" else (
             "batch" if ptr in self.batch_ptrs else "input")
-        row = self._row_base + len(self.rows)
-        rec = OpRecord(idx, "", module, phase, self.step, "", t.dtype, tuple(t.shape), (), row, kind)
+        row_index = self._row_base + len(self.rows)
+        rec = OpRecord(idx, "", module, phase, self.step, "", t.dtype, tuple(t.shape), (), row_index, kind)
         rec.name = pname or ""
         if not self.full:
             row = _safe(cheap_stats, t)

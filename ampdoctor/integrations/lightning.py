@@ -1,0 +1,86 @@
+"""Lightning integration: a callback that watches ``Trainer.fit``.
+
+>>> from ampdoctor.integrations.lightning import AmpDoctorCallback            # doctest: +SKIP
+>>> cb = AmpDoctorCallback(on_anomaly="raise")                                # doctest: +SKIP
+>>> L.Trainer(max_steps=100, callbacks=[cb]).fit(module, loader)              # doctest: +SKIP
+>>> cb.report.codes()                                                         # doctest: +SKIP
+
+Watches the LightningModule with the first optimizer (``trainer.optimizers[0]``) and the precision plugin's
+GradScaler (``"16-mixed"``). Lightning runs forward and backward inside ``optimizer.step(closure)``; the watch
+checks the gradients right after that closure, before the update. The batch and the loss of each step are
+passed from ``on_train_batch_start``/``on_train_batch_end``. Works with ``lightning`` and ``pytorch_lightning``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+if "pytorch_lightning" in sys.modules and "lightning" not in sys.modules:
+    from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]
+else:
+    try:
+        from lightning.pytorch.callbacks import Callback  # type: ignore[assignment]
+    except ImportError:
+        try:
+            from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "ampdoctor.integrations.lightning needs Lightning: pip install ampdoctor[lightning]") from e
+
+from ampdoctor.findings._types import Report
+from ampdoctor.watch import Watch, watch
+
+log = logging.getLogger(__name__)
+
+
+class AmpDoctorCallback(Callback):
+    """Watch a Lightning fit; ``watch_options`` go to :func:`ampdoctor.watch`. The report lands in ``.report``."""
+
+    def __init__(self, **watch_options: Any) -> None:
+        self.watch_options = watch_options
+        self.watch: Watch | None = None
+        self.report: Report | None = None
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._close()
+        optimizers = list(getattr(trainer, "optimizers", []) or [])
+        if len(optimizers) > 1:
+            log.info("ampdoctor: %d optimizers; watching the first", len(optimizers))
+        plugin = getattr(trainer, "precision_plugin", None)
+        scaler = getattr(plugin, "scaler", None)
+        self.watch = watch(pl_module, optimizers[0] if optimizers else None,
+                           scaler if isinstance(scaler, torch.amp.GradScaler) else None, **self.watch_options)
+        self.watch.__enter__()
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.watch is not None:
+            self.watch.observe_batch(batch)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.watch is None:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        self.watch.step(loss if isinstance(loss, torch.Tensor) else None)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._close()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        w, self.watch = self.watch, None
+        if w is None:
+            return
+        try:
+            w.__exit__(None, None, None)
+        finally:
+            self.report = w.report()
+            level = logging.INFO if self.report.ok else logging.WARNING
+            for f in self.report.findings:
+                log.log(level, "ampdoctor: [%s] %s at %s: %s", f.severity, f.code, f.module or "<root>", f.title)

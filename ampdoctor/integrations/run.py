@@ -1,0 +1,225 @@
+"""``ampdoctor run -- python train.py ARGS``: watch every optimizer an unmodified training script creates.
+
+>>> report = run_script(["python", "train.py", "--epochs", "1"])      # doctest: +SKIP
+>>> report.codes()                                                     # doctest: +SKIP
+['unused-parameters']
+
+The script runs in this process with :mod:`runpy` (as ``__main__``, with ``sys.argv`` and ``sys.path[0]`` set
+as Python would), under two global hooks with removable handles:
+
+* ``torch.nn.modules.module.register_module_forward_pre_hook``: the first call of a module holding trainable
+  parameters that an existing optimizer updates attaches :func:`ampdoctor.watch` to that module (the outermost
+  module called) and those optimizers, with the script's GradScaler when exactly one enabled scaler exists.
+  Each outermost module is looked at once; the hook is removed once a watch is attached (or after 16 looks).
+* ``torch.optim.optimizer.register_optimizer_step_pre_hook``: an optimizer created later (or whose model was
+  never called as a module) is attached at its first step; its model is the largest module that owns its
+  parameters. The new watch's own step hooks run in that very step.
+
+Objects are found with :func:`gc.get_objects` once per attachment, not per step. Nothing is printed: the report
+is returned (``summary["script"]`` says how the script ended). :class:`~ampdoctor.watch.AnomalyError`
+(``on_anomaly="raise"``) stops the script and is recorded; ``SystemExit`` ends it normally; any other exception
+is recorded in the report and logged.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ampdoctor.findings._types import Report
+from ampdoctor.watch import AnomalyError, Watch, is_replaying, watch
+
+log = logging.getLogger(__name__)
+
+_MAX_FORWARD_TRIES = 16
+
+
+def _inner(opt: Any) -> Any:
+    while isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer):
+        opt = opt.optimizer
+    return opt
+
+
+class _Runner:
+    """Attaches watches lazily while a script runs; one per optimizer."""
+
+    def __init__(self, source: str, options: dict[str, Any]) -> None:
+        self.source = source
+        self.options = options
+        self.watches: list[Watch] = []
+        self.watched: set[int] = set()
+        self._fwd_handle: Any = None
+        self._opt_handle: Any = None
+        self._tries = 0
+        self._scanned: set[int] = set()
+
+    def __enter__(self) -> _Runner:
+        self._opt_handle = register_optimizer_step_pre_hook(self._on_step)
+        self._fwd_handle = nn.modules.module.register_module_forward_pre_hook(self._on_forward)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in (self._fwd_handle, self._opt_handle):
+            if h is not None:
+                h.remove()
+        self._fwd_handle = self._opt_handle = None
+        for w in reversed(self.watches):
+            try:
+                w.__exit__(None, None, None)
+            except AnomalyError as e:      # raised at exit for an anomaly seen while closing
+                log.warning("%s", e)
+
+    # -- global hooks --------------------------------------------------------------------------------
+    def _on_forward(self, module: nn.Module, args: Any) -> None:
+        if is_replaying() or self._fwd_handle is None or id(module) in self._scanned:
+            return
+        if not any(p.requires_grad for p in module.parameters()):
+            return
+        self._scanned.update(id(m) for m in module.modules())   # its submodules' calls follow: one scan per root
+        ids = {id(p) for p in module.parameters()}
+        opts = [o for o in self._optimizers() if id(o) not in self.watched
+                and any(id(p) in ids for g in o.param_groups for p in g["params"])]
+        self._tries += 1
+        if opts:
+            for o in opts:
+                self._attach(self._owner(o, module), o)
+        if opts or self._tries >= _MAX_FORWARD_TRIES:
+            self._fwd_handle.remove()
+            self._fwd_handle = None
+
+    def _on_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if is_replaying() or id(optimizer) in self.watched:
+            return
+        if _inner(optimizer) is not optimizer:      # a wrapper: its inner optimizer's step is watched
+            return
+        model = self._owner(optimizer, None)
+        if model is None:
+            self.watched.add(id(optimizer))
+            log.info("ampdoctor run: an optimizer updates no module's parameters; not watched")
+            return
+        self._attach(model, optimizer)
+
+    def _owner(self, optimizer: torch.optim.Optimizer, default: nn.Module | None) -> Any:
+        """The module to watch for ``optimizer``: the smallest one holding all its parameters (so parameters
+        that never reach the loss, like an unused head beside the forwarded submodule, are covered), else the
+        one holding most of them."""
+        params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        best: tuple[int, int] | None = None
+        choice = default
+        for m in self._objects(nn.Module):
+            own = {id(p) for p in m.parameters()}
+            covered = len(params & own)
+            if not covered:
+                continue
+            key = (-covered, len(own))  # most of the optimizer's parameters, then the tightest module
+            if best is None or key < best:
+                best, choice = key, m
+        return choice
+
+    # -- helpers -------------------------------------------------------------------------------------
+    @staticmethod
+    def _objects(kind: type) -> list[Any]:
+        return [o for o in gc.get_objects() if issubclass(type(o), kind)]   # type(): no __class__ lookups
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        seen: dict[int, torch.optim.Optimizer] = {}
+        for o in self._objects(torch.optim.Optimizer):
+            o = _inner(o)
+            seen[id(o)] = o
+        return list(seen.values())
+
+    def _scaler(self) -> torch.amp.GradScaler | None:
+        scalers = [s for s in self._objects(torch.amp.GradScaler) if s.is_enabled()]
+        if len(scalers) > 1:
+            log.info("ampdoctor run: %d GradScalers exist; watching without scaler", len(scalers))
+        return scalers[0] if len(scalers) == 1 else None
+
+    def _attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.watched.add(id(optimizer))
+        w = watch(model, optimizer, self._scaler(), source=self.source, **self.options)
+        w.__enter__()
+        self.watches.append(w)
+        log.info("ampdoctor run: watching %s with %s", type(model).__name__, type(optimizer).__name__)
+
+    def report(self, ended: dict[str, Any]) -> Report:
+        reports = [w.report() for w in self.watches]
+        summary: dict[str, Any] = {"source": "run", "script": ended, "watches": len(reports)}
+        if not reports:
+            summary["note"] = "no optimizer step and no module holding an optimizer's parameters was seen"
+            return Report((), None, summary, (), self.source)
+        if len(reports) == 1:
+            r = reports[0]
+            return Report(r.findings, r.precision, {**r.summary, **summary}, r.layers, self.source)
+        findings = tuple(f for r in reports for f in r.findings)
+        summary["per_watch"] = [r.summary for r in reports]
+        return Report(findings, reports[0].precision, summary, reports[0].layers, self.source)
+
+
+def _split(argv: Sequence[str]) -> tuple[str, str, list[str]]:
+    args = [str(a) for a in argv]
+    if args and args[0] == "--":
+        args = args[1:]
+    if args and os.path.basename(args[0]).startswith("python") and not args[0].endswith(".py"):
+        args = args[1:]
+    if not args:
+        raise ValueError("run_script needs a command: ['train.py', ARGS...] or ['python', 'train.py', ARGS...] "
+                         "or ['-m', 'package.module', ARGS...]")
+    if args[0] == "-m":
+        if len(args) < 2:
+            raise ValueError("'-m' needs a module name, as in: ampdoctor run -- python -m package.train")
+        return "module", args[1], args[2:]
+    if not os.path.isfile(args[0]):
+        raise ValueError(f"script not found: {args[0]!r}; pass the path of the training script, as in: "
+                         "ampdoctor run -- python train.py ARGS")
+    return "path", args[0], args[1:]
+
+
+def run_script(argv: Sequence[str], **watch_options: Any) -> Report:
+    """Run a training script unchanged under :func:`ampdoctor.watch` and return the report.
+
+    ``argv`` is the command after ``ampdoctor run --``: ``["python", "train.py", *ARGS]``, ``["train.py",
+    *ARGS]`` or ``["python", "-m", "pkg.train", *ARGS]``. ``watch_options`` go to every watch (``on_anomaly``,
+    ``reproducer_dir``, ...). ``sys.argv`` and ``sys.path`` are restored afterwards; the global hooks are removed
+    and every watch is closed, also when the script raises.
+    """
+    kind, target, rest = _split(argv)
+    source = os.path.abspath(target) if kind == "path" else target
+    old_argv, old_path = sys.argv[:], sys.path[:]
+    ended: dict[str, Any] = {"status": "completed"}
+    runner = _Runner(source if kind == "path" else "", dict(watch_options))
+    try:
+        with runner:
+            try:
+                if kind == "path":
+                    sys.argv = [target, *rest]
+                    sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+                    runpy.run_path(target, run_name="__main__")
+                else:
+                    sys.argv = [target, *rest]
+                    sys.path.insert(0, os.getcwd())
+                    runpy.run_module(target, run_name="__main__", alter_sys=True)
+            except SystemExit as e:
+                code = e.code
+                ended = {"status": "completed" if code in (None, 0) else "exit", "code": code}
+            except AnomalyError as e:
+                ended = {"status": "anomaly", "kind": e.kind, "step": e.step, "message": str(e),
+                         "reproducer": e.reproducer}
+            except Exception as e:  # noqa: BLE001 - the script's own failure goes into the report
+                log.error("ampdoctor run: the script raised %s: %s", type(e).__name__, e, exc_info=e)
+                ended = {"status": "error", "exception": type(e).__name__, "message": str(e).splitlines()[0][:300]
+                         if str(e) else ""}
+    finally:
+        sys.argv, sys.path[:] = old_argv, old_path
+    return runner.report(ended)
+
+
+__all__ = ["run_script"]

@@ -1,0 +1,325 @@
+"""Reproducers: the state of one anomalous training step, written atomically, loaded safely, replayed.
+
+A reproducer is a ``dict`` holding only tensors, dicts, lists, tuples, strings, numbers, booleans and
+``None``, so it loads with ``torch.load(weights_only=True)``. Keys (format version 1):
+
+``format``, ``version``
+    ``"ampdoctor-reproducer"`` and ``1``.
+``step``, ``anomaly``, ``message``
+    The step index seen by the watch, the anomaly kind and the message logged for it.
+``model_state``
+    ``model.state_dict()`` (CPU copies) at detection time, which is the state the step started from: the guard
+    detects before ``optimizer.step()`` writes (no scaler, or GradScaler with an applied step) or after a step that
+    GradScaler skipped (weights untouched). For a non-finite loss reported after the update, it is the state after.
+``grads``
+    Parameter name -> gradient (CPU copy) or ``None``, as found at detection time (unscaled by GradScaler; the
+    loop may already have cleared them when a skipped step is detected at the next forward).
+``batch``, ``call``
+    The step's batch in the scenario convention (``dict`` -> ``model(**batch)``, ``tuple``/``list`` ->
+    ``model(*batch)``, else ``model(batch)``): the ``batch=`` given to ``Watch.step`` or the inputs of the last
+    forward of the root module; ``call`` keeps that forward's ``args``/``kwargs``. Objects that are not tensors,
+    containers or plain values are replaced by ``None`` and listed in ``dropped``.
+``optimizer_state``, ``optimizer_class``, ``optimizer_params``
+    ``optimizer.state_dict()`` (CPU copies), the optimizer's qualified class name and the parameter names of each
+    param group (to rebuild the groups on a fresh model).
+``scaler_state``, ``scaler_device``
+    ``GradScaler.state_dict()`` with ``scale`` set to the scale the step used (``None`` without scaler).
+``rng``
+    ``{"cpu": torch.get_rng_state() at the step's forward, "cuda": [...] or None}``.
+``precision``
+    ``{"name": "fp16-amp" | "bf16-amp" | "fp16" | "bf16" | None, "autocast": bool, "autocast_dtype": str | None,
+    "device_type": str, "param_dtype": str}`` as seen during the forward.
+``source``, ``model_class``, ``torch_version``
+    The scenario/script path when known (``""`` otherwise), the model's qualified class name, torch's version.
+
+The model's architecture is never pickled: :func:`replay` needs ``model_factory`` (or ``source`` pointing to a
+scenario file that defines ``make()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampdoctor import AmpDoctorError
+from ampdoctor.findings._types import Report
+
+log = logging.getLogger(__name__)
+
+FORMAT = "ampdoctor-reproducer"
+VERSION = 1
+_REQUIRED = ("format", "version", "step", "anomaly", "model_state", "batch", "precision")
+
+_REPLAYING: contextvars.ContextVar[bool] = contextvars.ContextVar("ampdoctor_replaying", default=False)
+
+
+class ReproducerError(AmpDoctorError):
+    """A reproducer cannot be written, read or replayed; the message says which file and what to do."""
+
+
+def is_replaying() -> bool:
+    """True while :func:`replay` runs (instruments that attach globally use it to ignore the replay's objects)."""
+    return _REPLAYING.get()
+
+
+def to_saveable(obj: Any, dropped: list[str] | None = None, where: str = "") -> Any:
+    """A copy of ``obj`` that ``torch.load(weights_only=True)`` can read: tensors become detached CPU copies,
+    mappings ``dict``, lists/tuples keep their kind; anything else becomes ``None`` (its path goes to
+    ``dropped``). Copies from an accelerator synchronise (only done when a reproducer is written)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if obj is None or isinstance(obj, bool):
+        return obj
+    for plain in (str, int, float):       # plain types only (TorchVersion is a str subclass, IntEnum an int)
+        if isinstance(obj, plain):
+            return plain(obj)
+    if isinstance(obj, torch.dtype):
+        return str(obj)
+    if isinstance(obj, Mapping):
+        return {to_saveable(k): to_saveable(v, dropped, f"{where}.{k}") for k, v in obj.items()
+                if isinstance(k, (str, int, float, bool))}
+    if isinstance(obj, (list, tuple)):
+        items = [to_saveable(v, dropped, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return tuple(items) if isinstance(obj, tuple) else items
+    if dropped is not None:
+        dropped.append(f"{where or '<batch>'}: {type(obj).__name__}")
+    return None
+
+
+def save_reproducer(payload: dict[str, Any], directory: str | os.PathLike[str], name: str) -> str:
+    """Write ``payload`` to ``directory/name`` atomically (temporary file, fsync, ``os.replace``); returns the path."""
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, name)
+    fd, tmp = tempfile.mkstemp(prefix=".ampdoctor-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(payload, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def load_reproducer(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a reproducer written by a watch (``torch.load(weights_only=True)``, on CPU).
+
+    >>> rep = load_reproducer("repro/step000012-nonfinite-grads.pt")      # doctest: +SKIP
+    >>> rep["step"], rep["anomaly"], rep["precision"]["name"]              # doctest: +SKIP
+
+    Raises :class:`ReproducerError` when the file is missing, truncated, corrupted or not a reproducer.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ReproducerError(f"no reproducer at {path!r}; pass the path of a .pt file written by "
+                              "ampdoctor.watch(..., reproducer_dir=...)")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for truncated/corrupted archives
+        raise ReproducerError(
+            f"{path!r} is not a readable ampdoctor reproducer ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+            "the file is truncated, corrupted or holds objects other than tensors and plain values. "
+            "Write a new one by rerunning the training with watch(..., reproducer_dir=...).") from e
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise ReproducerError(f"{path!r} is a torch file but not an ampdoctor reproducer (no format={FORMAT!r} key)")
+    missing = [k for k in _REQUIRED if k not in obj]
+    if missing:
+        raise ReproducerError(f"{path!r} lacks {', '.join(missing)}; it was not written by ampdoctor.watch")
+    if not isinstance(obj["version"], int) or obj["version"] > VERSION:
+        raise ReproducerError(f"{path!r} has reproducer format version {obj['version']!r}; this ampdoctor reads "
+                              f"versions <= {VERSION}: upgrade ampdoctor")
+    return obj
+
+
+def batch_from_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The scenario-convention batch for a forward called as ``model(*args, **kwargs)`` (``None`` if both given)."""
+    if not kwargs:
+        if len(args) == 1 and not isinstance(args[0], (Mapping, list, tuple)):
+            return args[0]
+        return tuple(args)
+    if not args:
+        return dict(kwargs)
+    return None
+
+
+def _load_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    keys = set(model.state_dict())
+    if not keys.issuperset(state) and all(k.startswith("module.") for k in state):
+        state = {k[len("module."):]: v for k, v in state.items()}   # written under a DDP wrapper
+    elif keys and all(k.startswith("module.") for k in keys) and not any(k.startswith("module.") for k in state):
+        state = {f"module.{k}": v for k, v in state.items()}
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise ReproducerError(f"the model from model_factory does not match the reproducer's state_dict: "
+                              f"{str(e).splitlines()[0][:300]}; build the same architecture (and config)") from e
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_to_device(v, device) for v in obj]
+        return tuple(items) if isinstance(obj, tuple) else items
+    return obj
+
+
+def _rebuild_optimizer(payload: dict[str, Any], model: nn.Module) -> torch.optim.Optimizer | None:
+    """A fresh optimizer of the recorded class over ``model``'s parameters, loaded with the recorded state.
+    Only ``torch.optim`` classes are rebuilt (no import of arbitrary names from a file)."""
+    qual = payload.get("optimizer_class") or ""
+    state = payload.get("optimizer_state")
+    groups_names = payload.get("optimizer_params")
+    if not qual or state is None or groups_names is None:
+        return None
+    module, _, cls_name = qual.rpartition(".")
+    cls = getattr(torch.optim, cls_name, None) if module.startswith("torch.optim") else None
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        log.info("replay: optimizer %s is not a torch.optim class; replaying without it", qual)
+        return None
+    named = dict(model.named_parameters())
+    if named and all(k.startswith("module.") for k in named) and not any(
+            n.startswith("module.") for g in groups_names for n in g):
+        named = {k[len("module."):]: v for k, v in named.items()}
+    groups = []
+    for names, saved in zip(groups_names, state["param_groups"]):
+        if any(n not in named for n in names):
+            log.info("replay: the optimizer's parameters do not match the model; replaying without optimizer")
+            return None
+        g = {k: v for k, v in saved.items() if k != "params"}
+        g["params"] = [named[n] for n in names]
+        groups.append(g)
+    opt = cls(groups)  # type: ignore[call-arg]  # torch.optim classes take (params, **defaults)
+    opt.load_state_dict(state)
+    return opt
+
+
+def _rebuild_scaler(payload: dict[str, Any]) -> torch.amp.GradScaler | None:
+    state = payload.get("scaler_state")
+    if not state:
+        return None
+    device = payload.get("scaler_device") or "cpu"
+    scaler = torch.amp.GradScaler(device, init_scale=float(state.get("scale", 2.0 ** 16)),
+                                  growth_factor=float(state.get("growth_factor", 2.0)),
+                                  backoff_factor=float(state.get("backoff_factor", 0.5)),
+                                  growth_interval=int(state.get("growth_interval", 2000)))
+    scaler.load_state_dict(dict(state))
+    return scaler
+
+
+@contextlib.contextmanager
+def _preserved_rng() -> Iterator[None]:
+    """Restore the caller's RNG states afterwards (the model factory and the replayed step draw from them)."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    token = _REPLAYING.set(True)
+    try:
+        yield
+    finally:
+        _REPLAYING.reset(token)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _set_step_rng(rng: Any) -> None:
+    if isinstance(rng, dict) and isinstance(rng.get("cpu"), torch.Tensor):
+        torch.set_rng_state(rng["cpu"])
+    if isinstance(rng, dict) and rng.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def _replay(payload: dict[str, Any], model_factory: Callable[[], nn.Module] | None, loss_fn: Any,
+            train_step: Any, origin: str) -> Report:
+    scenario: dict[str, Any] = {}
+    if model_factory is None:
+        source = payload.get("source") or ""
+        if not source or not os.path.isfile(source):
+            raise ReproducerError(
+                "replay needs the model's architecture, which a reproducer does not store: pass "
+                "model_factory=<callable returning the model, built like the one that was trained>"
+                + (f" (the recorded source {source!r} is not a file)" if source else ""))
+        from ampdoctor.precision import load_scenario_module
+
+        module = load_scenario_module(source)
+        if not callable(getattr(module, "make", None)):
+            raise ReproducerError(f"{source!r} defines no make(); pass model_factory=<callable returning the model>")
+        scenario = dict(module.make())
+        model = scenario.pop("model")
+    else:
+        model = model_factory()
+    if not isinstance(model, nn.Module):
+        raise ReproducerError(f"model_factory returned {type(model).__name__}, expected a torch.nn.Module")
+    _load_state(model, payload["model_state"])
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    batch = _to_device(payload["batch"], device)
+    optimizer = _rebuild_optimizer(payload, model)
+    scaler = _rebuild_scaler(payload)
+    precision = (payload.get("precision") or {}).get("name")
+    loss_fn = loss_fn if loss_fn is not None else scenario.get("loss_fn")
+    train_step = train_step if train_step is not None else scenario.get("train_step")
+    from ampdoctor.diagnose import diagnose
+
+    _set_step_rng(payload.get("rng"))
+    report = diagnose(model, batch, precision=precision, loss_fn=loss_fn, optimizer=optimizer, scaler=scaler,
+                      train_step=train_step)
+    summary = dict(report.summary)
+    summary["replay"] = {"step": payload["step"], "anomaly": payload["anomaly"], "reproducer": origin,
+                         "optimizer": optimizer is not None, "scaler": scaler is not None}
+    return Report(report.findings, report.precision, summary, report.layers, origin or report.source)
+
+
+def replay_payload(payload: dict[str, Any], model_factory: Callable[[], nn.Module] | None = None, *,
+                   loss_fn: Any = None, train_step: Any = None, origin: str = "") -> Report:
+    """Rebuild the recorded step on a fresh model and run it under :func:`ampdoctor.diagnose`; the caller's RNG
+    states are restored afterwards (the factory and the replayed step draw from them)."""
+    with _preserved_rng():
+        return _replay(payload, model_factory, loss_fn, train_step, origin)
+
+
+def replay(path: str | os.PathLike[str] | dict[str, Any], model_factory: Callable[[], nn.Module] | None = None, *,
+           loss_fn: Any = None, train_step: Any = None) -> Report:
+    """Rebuild the step a watch recorded and run it under full diagnosis (:func:`ampdoctor.diagnose`).
+
+    >>> report = replay("repro/step000012-nonfinite-grads.pt", model_factory=build_model)  # doctest: +SKIP
+    >>> report.findings[0].code, report.findings[0].module                                # doctest: +SKIP
+    ('overflow', 'encoder.block.0.layer.1.DenseReluDense.wo')
+
+    ``model_factory()`` must return the trained model's architecture (weights are loaded from the reproducer);
+    without it, the recorded ``source`` must be a scenario file defining ``make()``. The optimizer (``torch.optim``
+    classes) and GradScaler are rebuilt with their recorded state, the RNG is set to the step's state and restored
+    afterwards, the precision is the one seen during the forward. ``loss_fn``/``train_step`` follow
+    :func:`ampdoctor.diagnose`. Raises :class:`ReproducerError` for unreadable files or a mismatching model.
+    """
+    payload = path if isinstance(path, dict) else load_reproducer(path)
+    return replay_payload(payload, model_factory, loss_fn=loss_fn, train_step=train_step,
+                          origin="" if isinstance(path, dict) else os.fspath(path))
+
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "ReproducerError",
+    "batch_from_call",
+    "is_replaying",
+    "load_reproducer",
+    "replay",
+    "replay_payload",
+    "save_reproducer",
+    "to_saveable",
+]

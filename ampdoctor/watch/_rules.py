@@ -1,0 +1,324 @@
+"""Turn what a watch recorded (per-step host values, coverage of the first steps) into :class:`Finding` objects.
+
+Everything here is host-side and pure: the guard (``_guard.py``) reads device statistics back once per step
+and hands plain numbers to these functions. Codes produced: ``loss-scale-collapse``, ``unused-parameters``,
+``low-precision-params`` and, for non-finite losses or gradients whose origin the guard cannot see,
+``overflow`` with ``module == ""`` (a replay names the origin; its findings are merged by :func:`merge_replay`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ampdoctor.findings._types import Finding, FixProposal, Report
+
+#: Codes whose finding names the op that produced a bad value (used to attribute a loss-scale collapse).
+ORIGIN_CODES = ("overflow", "underflow", "nan-from-inf", "masked-row-nan", "constant-out-of-range", "saturation",
+                "must-stay-fp32", "nonfinite-input", "fp8-scale", "precision-loss")
+
+#: A parameter whose updates were lost at least this often is named in a ``low-precision-params`` finding.
+LOST_NAMED = 0.10
+#: ... and the finding is an error from this fraction on (most of its updates never land).
+LOST_ERROR = 0.50
+
+_SEVERITY_RANK = {"error": 0, "warning": 1, "info": 2}
+
+
+@dataclass
+class StepRecord:
+    """What the guard learnt about one step (one optimizer update, or one iteration without optimizer).
+
+    Mutable on purpose: values read back from the device arrive after the record was opened.
+    ``skipped`` is true when GradScaler skipped the update (non-finite gradients).
+    """
+
+    step: int
+    skipped: bool = False
+    loss: float | None = None
+    grad_norm: float | None = None
+    scale: float | None = None
+    nonfinite_params: tuple[str, ...] = ()
+    spike: bool = False
+
+
+@dataclass
+class Coverage:
+    """Gradient coverage measured over the first ``coverage_steps`` steps (names as in ``named_parameters``)."""
+
+    steps: int = 0
+    never_grad: tuple[str, ...] = ()
+    zero_grad: tuple[str, ...] = ()
+    not_in_optimizer: tuple[str, ...] = ()
+
+
+@dataclass
+class LostUpdates:
+    """Low-precision parameters updated in place by the optimizer: elements with a non-zero gradient
+    (``updates``) and, of those, elements bit-identical after the step (``lost``)."""
+
+    dtypes: dict[str, str] = field(default_factory=dict)
+    lost: dict[str, int] = field(default_factory=dict)
+    updates: dict[str, int] = field(default_factory=dict)
+    steps: int = 0
+
+    def add(self, name: str, lost: float, updates: float) -> None:
+        self.lost[name] = self.lost.get(name, 0) + int(lost)
+        self.updates[name] = self.updates.get(name, 0) + int(updates)
+
+
+def is_spike(norm: float, previous: Sequence[float], factor: float, min_history: int = 5) -> tuple[bool, float]:
+    """``norm > factor * median(previous)``; returns ``(spike, median)``. Needs ``min_history`` finite norms."""
+    if len(previous) < min_history or not math.isfinite(norm):
+        return False, math.nan
+    med = statistics.median(previous)
+    return med > 0 and norm > factor * med, med
+
+
+def skipped_runs(records: Iterable[StepRecord]) -> list[tuple[int, int, bool]]:
+    """Runs of consecutive skipped steps as ``(first index, length, ongoing)`` into ``records``."""
+    recs = list(records)
+    runs: list[tuple[int, int, bool]] = []
+    i = 0
+    while i < len(recs):
+        if recs[i].skipped:
+            j = i
+            while j < len(recs) and recs[j].skipped:
+                j += 1
+            runs.append((i, j - i, j == len(recs)))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+def group_by_owner(names: Iterable[str], owners: dict[str, str]) -> dict[str, list[str]]:
+    """Parameter names grouped by the module that registers them, in first-seen order."""
+    out: dict[str, list[str]] = {}
+    for n in names:
+        out.setdefault(owners.get(n, n.rpartition(".")[0]), []).append(n)
+    return out
+
+
+def _shorten(names: Sequence[str], k: int = 4) -> str:
+    return ", ".join(names[:k]) + (", ..." if len(names) > k else "")
+
+
+def collapse_findings(records: Sequence[StepRecord], collapse_steps: int, backoff: float) -> list[Finding]:
+    """``loss-scale-collapse`` for each run of >= ``collapse_steps`` skipped steps.
+
+    A run still going at the end of the history is an error (the weights stopped changing); a run that
+    ended mid-training is a warning. A run that starts at the first step and ended is GradScaler calibrating
+    a too-large initial scale, which is its normal behaviour: no finding.
+    """
+    out: list[Finding] = []
+    for first, length, ongoing in skipped_runs(records):
+        if length < collapse_steps or (first == 0 and not ongoing):
+            continue
+        run = records[first:first + length]
+        scales = [r.scale for r in run if r.scale is not None]
+        after = scales[-1] * backoff if scales else None
+        start, end = run[0].step, run[-1].step
+        total_skipped = sum(1 for r in records if r.skipped)
+        losses = [r.loss for r in run if r.loss is not None]
+        ev: dict[str, Any] = {
+            "first_skipped_step": start, "last_skipped_step": end, "consecutive_skipped": length,
+            "skipped_steps": total_skipped, "steps": len(records), "scales": scales, "scale_after": after,
+            "ongoing": ongoing,
+        }
+        if losses:
+            ev["losses"] = losses
+        scale_txt = (f"the scale fell from {scales[0]:g} to {after:g}" if scales and after is not None
+                     else "the scale fell each step")
+        expl = (f"GradScaler found inf/NaN gradients on {length} consecutive steps ({start}..{end}) and skipped "
+                f"every optimizer.step(); {scale_txt} (x{backoff:g} per skipped step). The weights did not change. "
+                "The scaler only reacts: some op produces non-finite gradients at every scale. "
+                + ("It is still happening at the last step seen." if ongoing else "Training recovered afterwards."))
+        fixes = (
+            FixProposal("locate the op producing the non-finite gradients: replay the reproducer",
+                        "ampdoctor.watch.replay('reproducer.pt', model_factory=make_model)"),
+            FixProposal("train in bf16 autocast, which needs no loss scaling",
+                        "with torch.autocast(device_type, dtype=torch.bfloat16):\n    loss = model(batch)"),
+        )
+        out.append(Finding(
+            "loss-scale-collapse", "error" if ongoing else "warning", "", "", "backward",
+            f"loss scale collapsed: {length} consecutive skipped steps from step {start}", expl, ev, fixes, start))
+    return out
+
+
+def nonfinite_findings(records: Sequence[StepRecord], owners: dict[str, str]) -> list[Finding]:
+    """The first non-finite loss and the first non-finite gradients seen outside GradScaler's protection.
+
+    The guard sees where a bad value *arrived*, not the op that made it: the finding uses code ``overflow``
+    with ``module == ""`` and names the affected parameters; replaying the reproducer names the origin.
+    """
+    out: list[Finding] = []
+    bad_loss = [r for r in records if r.loss is not None and not math.isfinite(r.loss)]
+    if bad_loss:
+        r = bad_loss[0]
+        out.append(Finding(
+            "overflow", "error", "", "", "forward", f"non-finite loss ({r.loss}) at step {r.step}",
+            f"The loss was {r.loss} at step {r.step} ({len(bad_loss)} step(s) in total). The watch sees the value "
+            "after the fact; replay the reproducer of this step to find the op where it starts.",
+            {"step": r.step, "loss": r.loss, "nonfinite_loss_steps": [x.step for x in bad_loss][:32]},
+            (FixProposal("replay the step under full diagnosis",
+                         "ampdoctor.watch.replay('reproducer.pt', model_factory=make_model)"),), r.step))
+    bad_grad = [r for r in records if r.nonfinite_params and not r.skipped]
+    if bad_grad:
+        r = bad_grad[0]
+        groups = group_by_owner(r.nonfinite_params, owners)
+        out.append(Finding(
+            "overflow", "error", "", "", "backward",
+            f"non-finite gradients at step {r.step} in {len(r.nonfinite_params)} parameter(s)",
+            f"At step {r.step} the gradients of {len(r.nonfinite_params)} parameter(s) "
+            f"({_shorten(r.nonfinite_params)}) held inf/NaN when optimizer.step() was called; without a "
+            "GradScaler that step writes them into the "
+            "weights. Replay the reproducer of this step to find the op where they start.",
+            {"step": r.step, "parameters": list(r.nonfinite_params), "owners": list(groups),
+             "nonfinite_grad_steps": [x.step for x in bad_grad][:32]},
+            (FixProposal("replay the step under full diagnosis",
+                         "ampdoctor.watch.replay('reproducer.pt', model_factory=make_model)"),), r.step))
+    return out
+
+
+def coverage_findings(cov: Coverage | None, owners: dict[str, str], *, ddp: bool) -> list[Finding]:
+    """``unused-parameters``: grads never computed, grads always exactly zero, trainable params missing from the
+    optimizer. One finding per owner module (the module that registers the parameters)."""
+    out: list[Finding] = []
+    if cov is None or cov.steps == 0:
+        return out
+    for owner, params in group_by_owner(cov.never_grad, owners).items():
+        where = owner or "<root>"
+        expl = (f"{len(params)} trainable parameter(s) of {where} ({_shorten(params)}) received no gradient in any "
+                f"backward of the first {cov.steps} step(s): the module's output never reaches the loss. "
+                "DDP (find_unused_parameters=False) fails on the next step, fused/flattening fp16 optimizers break on "
+                "None grads, and these weights are never trained.")
+        out.append(Finding(
+            "unused-parameters", "error" if ddp else "warning", owner, "", "backward",
+            f"{where}: {len(params)} trainable parameter(s) never get a gradient", expl,
+            {"parameters": params, "count": len(params), "steps_observed": cov.steps, "ddp": ddp},
+            (FixProposal("leave these parameters out of training",
+                         f"for p in model.{owner}.parameters():\n    p.requires_grad_(False)" if owner else "",
+                         id="exclude_unused", params={"parameters": params}),
+             FixProposal("under DDP, let it tolerate unused parameters",
+                         "DistributedDataParallel(model, find_unused_parameters=True)")),
+            0))
+    for owner, params in group_by_owner(cov.zero_grad, owners).items():
+        where = owner or "<root>"
+        out.append(Finding(
+            "unused-parameters", "warning", owner, "", "backward",
+            f"{where}: gradients are exactly zero", f"The gradients of {len(params)} parameter(s) of {where} "
+            f"({_shorten(params)}) were exactly zero in every one of the first {cov.steps} step(s): the module is "
+            "in the graph but no signal flows back (a zero multiplier, a saturated tanh/sigmoid, a detached path).",
+            {"parameters": params, "count": len(params), "steps_observed": cov.steps, "zero_gradients": True},
+            (FixProposal("replay a step under full diagnosis to see where the gradient vanishes",
+                         "ampdoctor.diagnose(model, batch, precision=...)"),), 0))
+    for owner, params in group_by_owner(cov.not_in_optimizer, owners).items():
+        where = owner or "<root>"
+        out.append(Finding(
+            "unused-parameters", "warning", owner, "", "optimizer",
+            f"{where}: trainable parameters missing from the optimizer",
+            f"{len(params)} trainable parameter(s) of {where} ({_shorten(params)}) require grad but are in none of "
+            "the optimizer's param_groups, so they are never updated.",
+            {"parameters": params, "count": len(params)},
+            (FixProposal("add them to the optimizer or freeze them",
+                         "optimizer.add_param_group({'params': [...]})"),), 0))
+    return out
+
+
+def low_precision_findings(lost: LostUpdates | None, owners: dict[str, str]) -> list[Finding]:
+    """``low-precision-params``: parameters stored in fp16/bf16 and updated in place by the optimizer (no fp32
+    master copy). Evidence is measured: elements whose gradient was non-zero but whose value did not change."""
+    out: list[Finding] = []
+    if lost is None or not lost.dtypes:
+        return out
+    frac = {n: lost.lost.get(n, 0) / lost.updates[n] for n in lost.dtypes if lost.updates.get(n, 0) > 0}
+    named = [n for n in lost.dtypes if frac.get(n, 0.0) >= LOST_NAMED]
+    for owner, params in group_by_owner(named, owners).items():
+        worst = max(frac[n] for n in params)
+        n_lost = sum(lost.lost.get(n, 0) for n in params)
+        n_upd = sum(lost.updates.get(n, 0) for n in params)
+        dtypes = sorted({lost.dtypes[n] for n in params})
+        where = owner or "<root>"
+        expl = (f"{where} keeps its parameters in {'/'.join(dtypes)} and the optimizer updates them in place (no fp32 "
+                f"master copy). Over the first {lost.steps} step(s), {n_lost} of {n_upd} element updates with a "
+                f"non-zero gradient were rounded away (w + dw == w): an update below half an ulp of the weight is lost "
+                f"(bf16 ulp(1.0) = 2**-7, fp16 ulp(1.0) = 2**-10). Worst parameter: {100 * worst:.0f}% lost.")
+        out.append(Finding(
+            "low-precision-params", "error" if worst >= LOST_ERROR else "warning", owner, "", "optimizer",
+            f"{where}: {100 * n_lost / max(n_upd, 1):.0f}% of weight updates are lost in {'/'.join(dtypes)}", expl,
+            {"parameters": params, "dtypes": dtypes, "lost_updates": n_lost, "updates": n_upd,
+             "fraction_lost": n_lost / max(n_upd, 1), "fraction_lost_by_parameter": {n: frac[n] for n in params},
+             "steps_measured": lost.steps},
+            (FixProposal("keep fp32 master weights: leave the model in fp32 and train under autocast",
+                         "model.float()\nwith torch.autocast(device_type, dtype=torch.bfloat16):\n    loss = ..."),
+             FixProposal("or keep an fp32 copy in the optimizer (Kahan summation / stochastic rounding optimizers)")),
+            0))
+    if not out:
+        total_lost = sum(lost.lost.values())
+        total = sum(lost.updates.values())
+        out.append(Finding(
+            "low-precision-params", "info", "", "", "optimizer",
+            f"{len(lost.dtypes)} parameter(s) are trained without an fp32 master copy",
+            f"The optimizer updates {len(lost.dtypes)} low-precision parameter(s) in place; "
+            + (f"{total_lost} of {total} element updates were rounded away in the first {lost.steps} step(s)."
+               if total else "no update could be measured yet."),
+            {"parameters": list(lost.dtypes)[:64], "count": len(lost.dtypes), "lost_updates": total_lost,
+             "updates": total, "steps_measured": lost.steps}, (), 0))
+    return out
+
+
+def order(findings: Iterable[Finding]) -> list[Finding]:
+    """Errors first, then warnings, then info; the earliest step first within a severity (stable)."""
+    return sorted(findings, key=lambda f: (_SEVERITY_RANK[f.severity], f.step))
+
+
+def merge_replay(own: Sequence[Finding], replay: Report | None) -> list[Finding]:
+    """Combine the watch's findings with a replay's.
+
+    When the replay names an origin (a finding with a module or op), its findings come first, in the replay's
+    own ranking; otherwise the watch's come first. A ``loss-scale-collapse`` without origin takes the module/op
+    of the replay's first located cause; the watch's generic non-finite ``overflow`` findings (module ``""``)
+    give way to a replay that explains the non-finite values. Duplicates (same code, module, op, phase) are
+    kept once, the replay's version.
+    """
+    if replay is None or not replay.findings:
+        return order(own)
+    origin = next((f for f in replay.findings if f.code in ORIGIN_CODES and (f.module or f.op)), None)
+    explained = any(f.code in ORIGIN_CODES for f in replay.findings)
+    keys = {(f.code, f.module, f.op, f.phase) for f in replay.findings}
+    mine: list[Finding] = []
+    for f in own:
+        if f.code == "overflow" and not f.module and not f.op and explained:
+            continue
+        if f.code == "loss-scale-collapse" and origin is not None and not f.module and not f.op:
+            ev = dict(f.evidence, origin={"code": origin.code, "module": origin.module, "op": origin.op,
+                                          "phase": origin.phase})
+            f = dataclasses.replace(f, module=origin.module, op=origin.op, evidence=ev,
+                                    explanation=f"{f.explanation} The replay locates the origin: {origin.code} in "
+                                                f"{origin.module or '<root>'} ({origin.op or 'op unknown'}).")
+        if (f.code, f.module, f.op, f.phase) not in keys:
+            mine.append(f)
+    if any(f.module or f.op for f in replay.findings):
+        return list(replay.findings) + order(mine)
+    return order(mine) + list(replay.findings)
+
+
+__all__ = [
+    "Coverage",
+    "LostUpdates",
+    "StepRecord",
+    "collapse_findings",
+    "coverage_findings",
+    "group_by_owner",
+    "is_spike",
+    "low_precision_findings",
+    "merge_replay",
+    "nonfinite_findings",
+    "order",
+    "skipped_runs",
+]

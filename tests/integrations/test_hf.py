@@ -1,0 +1,66 @@
+"""transformers.Trainer with AmpDoctorCallback: real Trainer, tiny BERT, CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+transformers = pytest.importorskip("transformers")
+
+from ampdoctor.integrations.hf import AmpDoctorCallback  # noqa: E402
+
+
+class Pairs(torch.utils.data.Dataset):
+    def __init__(self, n: int = 16) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, 50, (n, 6), generator=g)
+        self.labels = torch.randint(0, 2, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def tiny_bert(plant_unused: bool) -> nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=32, num_labels=2)
+    model = transformers.BertForSequenceClassification(cfg)
+    if plant_unused:
+        model.aux_head = nn.Linear(16, 2)       # an auxiliary head that was never wired into forward()
+    return model
+
+
+def fit(tmp_path, model: nn.Module, callbacks: list) -> None:
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=3, report_to=[], use_cpu=True,
+                                          per_device_train_batch_size=4, save_strategy="no", logging_strategy="no",
+                                          disable_tqdm=True, seed=0, data_seed=0)
+    transformers.Trainer(model=model, args=args, train_dataset=Pairs(), callbacks=callbacks).train()
+
+
+def test_trainer_report_names_the_unused_head(tmp_path) -> None:
+    model = tiny_bert(plant_unused=True)
+    cb = AmpDoctorCallback()
+    fit(tmp_path, model, [cb])
+    r = cb.report
+    assert r is not None and r.codes() == ["unused-parameters"]
+    f = r.findings[0]
+    assert (f.module, f.phase) == ("aux_head", "backward")
+    assert f.evidence["parameters"] == ["aux_head.weight", "aux_head.bias"]
+    assert r.summary["steps"] == 3
+    assert not model._forward_pre_hooks and cb.watch is None
+
+
+def test_trainer_healthy_run_is_ok_and_unchanged(tmp_path) -> None:
+    plain = tiny_bert(plant_unused=False)
+    fit(tmp_path / "a", plain, [])
+    watched = tiny_bert(plant_unused=False)
+    cb = AmpDoctorCallback()
+    fit(tmp_path / "b", watched, [cb])
+    assert cb.report.ok and cb.report.findings == ()
+    assert len(cb.report.summary["grad_norms"]) == 3
+    for (n, a), (_, b) in zip(plain.state_dict().items(), watched.state_dict().items()):
+        assert torch.equal(a, b), n

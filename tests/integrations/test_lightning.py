@@ -1,0 +1,99 @@
+"""Lightning Trainer.fit with AmpDoctorCallback: real Lightning (optimizer.step(closure)), CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+L = pytest.importorskip("lightning.pytorch")
+
+from ampdoctor.integrations.lightning import AmpDoctorCallback  # noqa: E402
+from ampdoctor.watch import AnomalyError  # noqa: E402
+
+
+class Module(L.LightningModule):
+    def __init__(self, plant_unused: bool = False, bad_batch: int | None = None) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 1)
+        self.extra = nn.Linear(4, 4) if plant_unused else None
+        self.bad_batch = bad_batch
+        self.seen: list[dict[str, torch.Tensor]] = []
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        if batch_idx == self.bad_batch:
+            x = x.clone()
+            x[0, 0] = float("inf")
+        self.seen.append({k: v.detach().clone() for k, v in self.state_dict().items()})
+        return self.head(torch.relu(self.body(x))).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def loader() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(1)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 8, generator=g)), batch_size=4)
+
+
+def fit(module: L.LightningModule, cb: AmpDoctorCallback, steps: int = 4) -> None:
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
+    trainer.fit(module, loader())
+
+
+def test_lightning_report_names_the_unused_module() -> None:
+    torch.manual_seed(0)
+    module = Module(plant_unused=True)
+    cb = AmpDoctorCallback()
+    fit(module, cb)
+    r = cb.report
+    assert [(f.code, f.module, f.phase) for f in r.findings] == [("unused-parameters", "extra", "backward")]
+    assert r.summary["steps"] == 4 and len(r.summary["losses"]) == 4
+    assert not module._forward_pre_hooks and not module.body.weight._post_accumulate_grad_hooks
+
+
+def test_lightning_healthy_run_is_ok() -> None:
+    torch.manual_seed(0)
+    cb = AmpDoctorCallback()
+    fit(Module(), cb)
+    assert cb.report.ok and cb.report.findings == ()
+    assert len(cb.report.summary["grad_norms"]) == 4
+
+
+def test_lightning_closure_step_is_stopped_before_the_update() -> None:
+    torch.manual_seed(0)
+    module = Module(bad_batch=2)
+    cb = AmpDoctorCallback(on_anomaly="raise")
+    with pytest.raises(AnomalyError) as ei:
+        fit(module, cb)
+    assert ei.value.kind == "nonfinite-grads" and ei.value.step == 2
+    after = module.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in module.seen[2].items())   # weights of the bad step's start
+    assert cb.watch is None and cb.report is not None
+
+
+def test_lightning_grad_scaler_skipped_steps_are_seen() -> None:
+    """Lightning's MixedPrecision plugin with a CPU GradScaler: scaler.step() skips, no optimizer hook fires."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    class Overflowing(Module):
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            if batch_idx >= 2:
+                x = x * 1e6                  # beyond fp16's 65504 under autocast: NaN loss, NaN grads
+            return self.head(torch.relu(self.body(x))).float().pow(2).mean()
+
+    torch.manual_seed(0)
+    cb = AmpDoctorCallback()
+    trainer = L.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[cb],
+                        plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))])
+    trainer.fit(Overflowing(), loader())
+    r = cb.report
+    f = next(f for f in r.findings if f.code == "loss-scale-collapse")
+    assert (f.severity, f.evidence["first_skipped_step"], f.evidence["ongoing"]) == ("error", 2, True)
+    assert f.evidence["scales"][:3] == [65536.0, 32768.0, 16384.0]
+    assert r.precision == "fp16-amp"
