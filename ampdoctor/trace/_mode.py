@@ -134,7 +134,7 @@ class RecordingMode(TorchDispatchMode):
         self.attr = attribution
         self.full = full
         self.records: list[OpRecord] = []
-        self.rows: list[torch.Tensor] = []
+        self.rows: list[Any] = []
         self.producer: dict[tuple[Any, ...], int] = {}
         self.storage_writer: dict[int, int] = {}
         self.step = 0
@@ -147,6 +147,7 @@ class RecordingMode(TorchDispatchMode):
         self.batch_ptrs: set[int] = set()
         self.enabled = True
         self.headroom = False
+        self._info: dict[Any, tuple[str, str, bool, bool]] = {}
         self.scratch = Scratch()
         self._row_base = 0
         self._read_upto = 0
@@ -229,10 +230,99 @@ class RecordingMode(TorchDispatchMode):
         return idx
 
     # -- dispatch ------------------------------------------------------------------------------------------
+    def _op_info(self, func: Any) -> tuple[str, str, bool, bool]:
+        """``(name, base name, returns a view, mutates)`` of an op overload, cached."""
+        info = self._info.get(func)
+        if info is None:
+            schema = func._schema
+            view = (not schema.is_mutable and len(schema.returns) == 1
+                    and schema.returns[0].alias_info is not None)
+            info = (str(func), func.overloadpacket.__name__, view, schema.is_mutable)
+            self._info[func] = info
+        return info
+
+    def _cheap(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """The cheap tier: one ``aminmax`` per floating output; views skipped (their base is recorded), and in
+        the optimizer step only writes into parameter storage."""
+        node = _current_node()
+        phase = self._phase(node)
+        try:
+            out = func(*args, **kwargs)
+        except Exception as e:
+            self._record_error(func, args, kwargs, node, phase, "", e)
+            raise
+        op, base, view, mutable = self._op_info(func)
+        if view or base in UNINITIALISED:
+            return out
+        if phase == "optimizer":
+            outs: list[torch.Tensor] = []
+            _flat(out, outs)
+            if not outs and mutable:
+                self._written(func, args, kwargs, outs)
+            for t in outs:
+                if t.is_floating_point():
+                    try:
+                        mod = self.ptr_owner.get(t.untyped_storage().data_ptr())
+                    except Exception:
+                        mod = None
+                    if mod is not None:
+                        self._cheap_record(op, mod, phase, node, t)
+            return out
+        module = self.attr.backward_owner(node) if phase == "backward" else self.attr.current
+        if type(out) is torch.Tensor:
+            if out.is_floating_point():
+                self._cheap_record(op, module, phase, node, out)
+            return out
+        outs = []
+        _flat(out, outs)
+        for t in outs:
+            if t.is_floating_point():
+                self._cheap_record(op, module, phase, node, t)
+        return out
+
+    def _cheap_record(self, op: str, module: str, phase: str, node: Any, t: torch.Tensor) -> None:
+        rec = OpRecord(len(self.records), op, module, phase, self.step,
+                       type(node).__name__ if node is not None else "", t.dtype, tuple(t.shape), (),
+                       self._row_base + len(self.rows))
+        try:
+            self.rows.append(cheap_stats(t))
+        except Exception:  # noqa: BLE001 - observation must not raise into user code
+            nan = torch.full((), math.nan, device=t.device)
+            self.rows.append((nan, nan))
+        self.records.append(rec)
+
+    def _written(self, func: Any, args: Any, kwargs: Any, outs: list[torch.Tensor]) -> None:
+        """Arguments an in-place op writes (``_foreach_add_`` returns nothing: these are its outputs)."""
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                _flat(kwargs.get(arg.name) if arg.kwarg_only else (args[i] if i < len(args) else None), outs)
+
+    def _record_error(self, func: Any, args: Any, kwargs: Any, node: Any, phase: str, module: str,
+                      e: Exception) -> None:
+        if self.error is not None:
+            return
+        ins: list[torch.Tensor] = []
+        _flat(args, ins)
+        for v in kwargs.values():
+            _flat(v, ins)
+        if not module:
+            module = self._module(node, phase, ins)
+        self.error = {
+            "op": str(func), "module": module, "phase": phase, "step": self.step,
+            "node": type(node).__name__ if node is not None else "",
+            "input_dtypes": [str(t.dtype).replace("torch.", "") for t in ins],
+            "scalars": [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)],
+            "message": str(e).split("\n")[0][:300],
+            "type": type(e).__name__,
+            "src": _user_frame() if phase == "forward" else None,
+        }
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
         if not self.enabled:
             return func(*args, **kwargs)
+        if not self.full:
+            return self._cheap(func, args, kwargs)
         node = _current_node()
         phase = self._phase(node)
         ins: list[torch.Tensor] = []
@@ -249,29 +339,16 @@ class RecordingMode(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except Exception as e:
-            if self.error is None:
-                self.error = {
-                    "op": str(func), "module": module, "phase": phase, "step": self.step,
-                    "node": type(node).__name__ if node is not None else "",
-                    "input_dtypes": [str(t.dtype).replace("torch.", "") for t in ins],
-                    "scalars": [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)],
-                    "message": str(e).split("\n")[0][:300],
-                    "type": type(e).__name__,
-                    "src": _user_frame() if phase == "forward" else None,
-                }
+            self._record_error(func, args, kwargs, node, phase, module, e)
             raise
         outs: list[torch.Tensor] = []
         _flat(out, outs)
-        if not outs and func._schema.is_mutable:
-            # in-place ops that return nothing (``_foreach_add_``): their written arguments are the outputs
-            for i, arg in enumerate(func._schema.arguments):
-                if arg.alias_info is not None and arg.alias_info.is_write:
-                    _flat(kwargs.get(arg.name) if arg.kwarg_only else (args[i] if i < len(args) else None), outs)
+        op, base, _view, mutated = self._op_info(func)
+        if not outs and mutated:
+            self._written(func, args, kwargs, outs)
         if not outs:
             return out
-        op = str(func)
         node_name = type(node).__name__ if node is not None else ""
-        base = func.overloadpacket.__name__
         uninit = base in UNINITIALISED
         bounded = BOUNDED_OPS.get(base) if full else None
         src = _user_frame() if full and phase == "forward" else None
@@ -281,7 +358,6 @@ class RecordingMode(TorchDispatchMode):
                 float(a) for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)
             ) + tuple(float(v) for v in kwargs.values() if isinstance(v, (int, float)) and not isinstance(v, bool))
             in_dtypes = tuple(str(t.dtype).replace("torch.", "") for t in ins if t.is_floating_point())
-        mutated = func._schema.is_mutable
         for pos, t in enumerate(outs):
             if not t.is_floating_point() or t.is_meta:
                 continue
@@ -334,14 +410,29 @@ class RecordingMode(TorchDispatchMode):
             fields = fields + tuple(f"flush_{name}" for name, _, _ in HEADROOM_FORMATS)
         rows, base = self.rows, self._row_base
         if rows:
-            by_dev: dict[torch.device, list[int]] = {}
-            for i, r in enumerate(rows):
-                by_dev.setdefault(r.device, []).append(i)
             values: list[list[float]] = [[] for _ in rows]
-            for idxs in by_dev.values():
-                mat = torch.stack([rows[i] for i in idxs]).cpu().tolist()
-                for i, v in zip(idxs, mat):
-                    values[i] = v
+            if self.full:
+                by_dev: dict[Any, list[int]] = {}
+                for i, r in enumerate(rows):
+                    by_dev.setdefault(r.device, []).append(i)
+                for idxs in by_dev.values():
+                    mat = torch.stack([rows[i] for i in idxs]).cpu().tolist()
+                    for i, v in zip(idxs, mat):
+                        values[i] = v
+            else:  # (min, max) pairs: one stack per device and dtype, one read per device
+                groups: dict[Any, list[int]] = {}
+                for i, (mn, _) in enumerate(rows):
+                    groups.setdefault((mn.device, mn.dtype), []).append(i)
+                per_dev: dict[Any, list[tuple[list[int], torch.Tensor]]] = {}
+                for (dev, _), idxs in groups.items():
+                    pair = torch.stack([torch.stack([rows[i][0] for i in idxs]),
+                                        torch.stack([rows[i][1] for i in idxs])], 1).to(torch.float64)
+                    per_dev.setdefault(dev, []).append((idxs, pair))
+                for parts in per_dev.values():
+                    mat = torch.cat([p for _, p in parts]).cpu().tolist()
+                    flat_idx = [i for idxs, _ in parts for i in idxs]
+                    for i, v in zip(flat_idx, mat):
+                        values[i] = v
             for rec in self.records[self._read_upto:]:
                 rec.stats = dict(zip(fields, values[rec.row - base]))
             self._row_base += len(rows)

@@ -172,15 +172,15 @@ def flush_counts(t: torch.Tensor, scratch: Scratch | None = None) -> torch.Tenso
                         for _, _, th in HEADROOM_FORMATS]).to(torch.float64)
 
 
-def cheap_stats(t: torch.Tensor) -> torch.Tensor:
-    """``[min, max]`` of ``t`` as float64 (no host sync). Empty tensors give ``[0, 0]``."""
-    x = t.detach()
-    if x.numel() == 0:
-        return torch.zeros(2, dtype=torch.float64, device=x.device)
-    if x.dtype in _FP8:
-        x = x.float()
-    mn, mx = torch.aminmax(x)
-    return torch.stack([mn, mx]).to(torch.float64)
+def cheap_stats(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)`` of ``t`` as two 0-d tensors in ``t``'s dtype (no host sync; stacked and cast once per
+    step when read back). Empty tensors give zeros. Runs below autograd: no ``detach`` needed."""
+    if t.numel() == 0:
+        z = torch.zeros((), dtype=torch.float32, device=t.device)
+        return z, z
+    if t.dtype in _FP8:
+        t = t.float()
+    return torch.aminmax(t)
 
 
 def dtype_limits(dtype: torch.dtype) -> tuple[float, float, float]:

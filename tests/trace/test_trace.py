@@ -217,7 +217,7 @@ def test_no_host_read_during_the_step_and_one_per_result(host_reads, full):
     assert host_reads == []  # no sync per op or per module
     res = t.result()
     assert len(host_reads) == 1, host_reads  # one device-to-host read for all records
-    assert len(res.records) > 60 and all(r.stats for r in res.records)
+    assert len(res.records) > (60 if full else 40) and all(r.stats for r in res.records)  # cheap tier: no views
     again = t.result()  # nothing new to read: no further sync
     assert len(host_reads) == 1 and len(again.records) == len(res.records)
 
