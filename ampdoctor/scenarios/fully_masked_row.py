@@ -32,8 +32,10 @@ Known fixes
     handle users without history explicitly (skip the attention, or zero their interest vector *before* it
     meets NaN); ``F.scaled_dot_product_attention`` with a boolean mask, which returns 0 for fully masked rows.
 EXPECT
-    codes ["masked-row-nan"], module "history_attention" (its forward builds the mask and takes the softmax of
-    the fully masked row), phase "forward".
+    codes ["constant-out-of-range", "masked-row-nan"], module "history_attention" (its forward multiplies the
+    mask by the literal -1e9, which is -inf in fp16, and takes the softmax of the fully masked row), phase
+    "forward". Both codes are right: the literal is what turns a harmless large negative mask into -inf, and
+    the fully masked row is where -inf - (-inf) makes the NaN; ampdoctor ranks the literal first.
 
 Run ``python -m ampdoctor.scenarios.fully_masked_row`` to see the failure.
 """
@@ -49,7 +51,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-EXPECT = {"codes": ["masked-row-nan"], "module": "history_attention", "phase": "forward"}
+EXPECT = {"codes": ["constant-out-of-range", "masked-row-nan"], "module": "history_attention", "phase": "forward"}
 
 NUM_ITEMS = 50
 DIM = 16

@@ -1,0 +1,430 @@
+"""Cost of ``ampdoctor.trace`` on a T5 training step (forward + backward + AdamW step, fp32).
+
+    python bench/trace_overhead.py                      # small and big config, default rounds / time budget
+    python bench/trace_overhead.py --configs small --rounds 30
+    python bench/trace_overhead.py --quick              # smoke run: small config, a few rounds
+    python bench/trace_overhead.py --profile            # + cProfile of one cheap-tier step (small config)
+
+Variants, run interleaved in one process on ONE model/optimizer: each round runs plain, v1, plain, v2, ...,
+plain (the order of the variants rotated from round to round), warm-up rounds discarded:
+
+    plain          the step as is
+    noop-mode      a TorchDispatchMode whose __torch_dispatch__ only calls func (the floor of any dispatch mode)
+    trace-cheap    with ampdoctor.trace(model, opt, full=False): step; t.result()
+    trace-full     with ampdoctor.trace(model, opt, full=True): step; t.result()
+    hf-debug       transformers' DebugUnderflowOverflow (forward hooks on every module; attached before the timed
+                   step, removed after, i.e. its steady-state per-step cost)
+
+The figure of merit is the median over rounds of (variant time / mean of the two plain steps around it),
+with the IQR of those per-round ratios as the spread. Results go to bench/results/trace_overhead.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import datetime
+import gc
+import io
+import json
+import os
+import platform
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _models  # noqa: E402
+
+import ampdoctor  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGETS = {"small": 3.0, "big": 1.5}  # cheap tier, max ratio
+
+
+# -- the step --------------------------------------------------------------------------------------------------
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Any]) -> None:
+    opt.zero_grad(set_to_none=True)
+    model(**batch).loss.backward()
+    opt.step()
+
+
+# -- variants --------------------------------------------------------------------------------------------------
+class Variant:
+    """One way of running the step. ``attach``/``detach`` run outside the timed region, ``context`` inside."""
+
+    name = "plain"
+    label = "plain step"
+
+    def attach(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        pass
+
+    def detach(self) -> None:
+        pass
+
+    def context(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Any:
+        return contextlib.nullcontext()
+
+
+class _NoopMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        return func(*args, **(kwargs or {}))
+
+
+class NoopMode(Variant):
+    name = "noop-mode"
+    label = "do-nothing TorchDispatchMode"
+
+    def context(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Any:
+        return _NoopMode()
+
+
+class TraceVariant(Variant):
+    def __init__(self, full: bool) -> None:
+        self.full = full
+        self.name = "trace-full" if full else "trace-cheap"
+        self.label = f"ampdoctor.trace(full={full}) incl. enter/exit and result()"
+
+    @contextlib.contextmanager
+    def context(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Any:
+        with ampdoctor.trace(model, opt, full=self.full) as t:
+            yield
+        t.result()
+
+
+class HFDebug(Variant):
+    """transformers' DebugUnderflowOverflow. It registers hooks without handles, so we remove them ourselves."""
+
+    name = "hf-debug"
+    label = "transformers DebugUnderflowOverflow (forward hooks)"
+
+    def attach(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        from transformers.debug_utils import DebugUnderflowOverflow
+
+        before = {id(m): set(m._forward_hooks) for m in model.modules()}
+        self.debug = DebugUnderflowOverflow(model)
+        self.added = [(m, k) for m in model.modules() for k in m._forward_hooks if k not in before[id(m)]]
+
+    def detach(self) -> None:
+        for m, k in self.added:
+            m._forward_hooks.pop(k, None)
+        self.added = []
+
+
+def default_variants() -> list[Variant]:
+    return [Variant(), NoopMode(), TraceVariant(full=False), TraceVariant(full=True), HFDebug()]
+
+
+# -- measurement -----------------------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_step(variant: Variant, model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Any],
+               step: Callable[..., None] = train_step) -> float:
+    """Seconds of one step run the variant's way (attach/detach and a gc pass are not timed)."""
+    device = next(model.parameters()).device
+    variant.attach(model, opt)
+    try:
+        gc.collect()
+        _sync(device)
+        t0 = time.perf_counter()
+        with variant.context(model, opt):
+            step(model, opt, batch)
+        _sync(device)
+        return time.perf_counter() - t0
+    finally:
+        variant.detach()
+
+
+def _quantiles(xs: list[float]) -> tuple[float, float, float]:
+    if len(xs) == 1:
+        return xs[0], xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], statistics.median(xs), q[2]
+
+
+def measure(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Any], variants: list[Variant], *,
+            rounds: int, warmup: int, budget_s: float | None = None, min_rounds: int = 3,
+            step: Callable[..., None] = train_step, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Interleaved, bracketed timing; returns per-variant stats.
+
+    Every round runs ``plain, v1, plain, v2, ..., vk, plain`` (the order of the ``v`` rotated from round to
+    round), and a variant's ratio is its time over the mean of the two plain steps around it, so a change of
+    machine load during a round hits both sides. A variant that raises is dropped (its error is kept).
+    ``budget_s`` stops after the round that exceeds it (but not before ``min_rounds`` measured rounds).
+    """
+    if variants[0].name != "plain":
+        raise ValueError("the first variant must be the plain step (ratios are taken against it)")
+    plain, others = variants[0], variants[1:]
+    times: dict[str, list[float]] = {v.name: [] for v in variants}
+    ratios: dict[str, list[float]] = {v.name: [] for v in others}
+    errors: dict[str, str] = {}
+    alive = list(others)
+    t_start = time.perf_counter()
+    done = 0
+    for r in range(warmup + rounds):
+        k = r % max(len(alive), 1)
+        order = alive[k:] + alive[:k]
+        plains = [timed_step(plain, model, opt, batch, step)]
+        got: dict[str, float] = {}
+        for v in order:
+            try:
+                got[v.name] = timed_step(v, model, opt, batch, step)
+            except Exception as e:  # noqa: BLE001 - a tool that cannot run this model is reported, not fatal
+                errors[v.name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                log(f"  {v.name} failed: {errors[v.name]}")
+            plains.append(timed_step(plain, model, opt, batch, step))
+        alive = [v for v in alive if v.name not in errors]
+        if r < warmup:
+            log(f"  warm-up {r + 1}/{warmup}: plain {statistics.median(plains):.3f}s")
+            continue
+        done += 1
+        times["plain"].extend(plains)
+        for i, v in enumerate(order):
+            if v.name in got:
+                times[v.name].append(got[v.name])
+                ratios[v.name].append(got[v.name] / (0.5 * (plains[i] + plains[i + 1])))
+        log(f"  round {done}/{rounds}: plain {statistics.median(plains):.3f}s  "
+            + "  ".join(f"{n} {t:.3f}s" for n, t in got.items()))
+        if budget_s is not None and done >= min_rounds and time.perf_counter() - t_start > budget_s:
+            log(f"  time budget {budget_s:.0f}s reached after {done} rounds")
+            break
+    out: dict[str, Any] = {"rounds": done, "warmup": warmup, "wall_s": round(time.perf_counter() - t_start, 1),
+                           "variants": {}}
+    for v in variants:
+        entry: dict[str, Any] = {"label": v.label}
+        if v.name in errors:
+            entry["error"] = errors[v.name]
+        ts = times[v.name]
+        if ts:
+            entry["median_s"] = statistics.median(ts)
+            entry["times_s"] = [round(t, 5) for t in ts]
+        rs = ratios.get(v.name, [])
+        if rs:
+            q1, med, q3 = _quantiles(rs)
+            entry.update(ratio=med, ratio_q1=q1, ratio_q3=q3, ratio_iqr=q3 - q1, ratios=[round(x, 4) for x in rs])
+        out["variants"][v.name] = entry
+    return out
+
+
+def count_ops(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Any]) -> dict[str, int]:
+    """Records of one cheap-tier traced step, by phase."""
+    with ampdoctor.trace(model, opt, full=False) as t:
+        train_step(model, opt, batch)
+    res = t.result()
+    by: dict[str, int] = {}
+    for r in res.records:
+        by[r.phase] = by.get(r.phase, 0) + 1
+    by["total"] = len(res.records)
+    return by
+
+
+def _short_path(file: str) -> str:
+    if "site-packages/" in file:
+        return file.split("site-packages/", 1)[1]
+    if file.startswith(REPO):
+        return os.path.relpath(file, REPO)
+    return file
+
+
+def profile_cheap(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Any],
+                  top: int = 25) -> dict[str, Any]:
+    """cProfile of one plain and one cheap-tier step: where the extra time goes (per function, tottime)."""
+    buf = io.StringIO()
+
+    def prof(fn: Callable[[], None]) -> pstats.Stats:
+        gc.collect()
+        p = cProfile.Profile()
+        p.enable()
+        fn()
+        p.disable()
+        return pstats.Stats(p, stream=buf)
+
+    def cheap() -> None:
+        with ampdoctor.trace(model, opt, full=False) as t:
+            train_step(model, opt, batch)
+        t.result()
+
+    for _ in range(2):
+        train_step(model, opt, batch)
+        cheap()
+    plain_st = prof(lambda: train_step(model, opt, batch))
+    st = prof(cheap)
+    rows = []
+    for (file, line, fn), (_cc, nc, tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
+        rows.append({"function": f"({fn})" if file == "~" else f"{_short_path(file)}:{line}({fn})",
+                     "calls": nc, "tottime_s": round(tt, 4), "cumtime_s": round(ct, 4),
+                     "us_per_call": round(1e6 * tt / max(nc, 1), 2)})
+    rows.sort(key=lambda r: -r["tottime_s"])
+    st.sort_stats("tottime").print_stats(top)
+    return {"plain_total_s": round(plain_st.total_tt, 4), "cheap_total_s": round(st.total_tt, 4),  # type: ignore
+            "top_tottime": rows[:top], "text": buf.getvalue()}
+
+
+# -- reporting -------------------------------------------------------------------------------------------------
+def machine_info() -> dict[str, Any]:
+    import transformers
+
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "ampdoctor": ampdoctor.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+    }
+    with contextlib.suppress(OSError):
+        info["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
+    return info
+
+
+def _fmt_ratio(e: dict[str, Any]) -> str:
+    if "ratio" not in e:
+        return f"failed ({e.get('error', '')})" if "error" in e else "-"
+    return f"{e['ratio']:.2f}× (IQR {e['ratio_q1']:.2f}–{e['ratio_q3']:.2f})"
+
+
+def to_markdown(doc: dict[str, Any]) -> str:
+    m = doc["machine"]
+    lines = [
+        "# ampdoctor.trace overhead (T5 gated-gelu train step, fp32, CPU)",
+        "",
+        f"Measured {m['date']} on {m['cpu_count']} CPU cores ({m['processor']}), torch {m['torch']} "
+        f"({m['torch_threads']} thread(s)), transformers {m['transformers']}, Python {m['python']}. "
+        f"Load average at start {m.get('loadavg_start')}, at end {m.get('loadavg_end')}.",
+        "",
+        "Step = `zero_grad` + forward with labels + `loss.backward()` + `AdamW.step()`. Ratio = median over rounds "
+        "of (variant time / mean of the two plain steps run just before and just after it); spread = interquartile "
+        "range of those per-round ratios. Each round runs plain, v1, plain, v2, …, plain on one model (variant "
+        "order rotated each round); warm-up rounds discarded. The trace "
+        "variants include entering/leaving the context and `t.result()` (the one read-back).",
+        "",
+        "**Caveat:** this machine was shared with other jobs running tests at the same time (see the load "
+        "average), so absolute times are inflated and noisy. Bracketing each variant between "
+        "two plain steps cancels drift, not bursts: read the IQR before reading a difference of a few percent.",
+        "",
+    ]
+    for cname, res in doc["configs"].items():
+        cfg = res["config"]
+        lines += [
+            f"## {cname}: d_model {cfg['d_model']}, d_ff {cfg['d_ff']}, "
+            f"{cfg['num_layers']}+{cfg['num_decoder_layers']} layers, {cfg['num_heads']} heads, "
+            f"batch {cfg['batch']}, {cfg['source_len']}/{cfg['target_len']} tokens",
+            "",
+            f"{res['rounds']} measured rounds after {res['warmup']} warm-up, {res['wall_s']} s. "
+            f"Floating outputs traced per step: {res.get('ops', {})}.",
+            "",
+            "| variant | median step | ratio to plain (IQR) |",
+            "|---|---|---|",
+        ]
+        for name, e in res["variants"].items():
+            med = f"{e['median_s']:.3f} s" if "median_s" in e else "-"
+            ratio = "1.00×" if name == "plain" else _fmt_ratio(e)
+            lines.append(f"| {name} — {e['label']} | {med} | {ratio} |")
+        tgt = res.get("target")
+        if tgt:
+            verdict = "meets" if tgt["met"] else "MISSES"
+            lines += ["", f"Cheap tier target ≤ {tgt['max_ratio']}×: {verdict} ({tgt['ratio']:.2f}×)."]
+        lines.append("")
+    prof = doc.get("profile")
+    if prof:
+        lines += [
+            "## Profile of one cheap-tier step (small config, cProfile)",
+            "",
+            f"cProfile total: plain {prof['plain_total_s']} s, cheap tier {prof['cheap_total_s']} s "
+            "(cProfile inflates Python-heavy code; use it for shares, not absolute cost).",
+            "",
+            "| function | calls | tottime s | µs/call |",
+            "|---|---|---|---|",
+        ]
+        for r in prof["top_tottime"][:20]:
+            lines.append(f"| `{r['function']}` | {r['calls']} | {r['tottime_s']} | {r['us_per_call']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="small,big", help="comma-separated: small,big")
+    ap.add_argument("--rounds", type=int, default=None, help="measured rounds per config (default: small 20, big 6)")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up rounds (default: small 3, big 1)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="stop a config after this many seconds of rounds (default: small 150, big 300)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (default 1: on a shared 2-core box more threads thrash)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--quick", action="store_true", help="smoke run: small config, 4 rounds, 1 warm-up")
+    ap.add_argument("--profile", action="store_true", help="also cProfile one cheap-tier step (small config)")
+    ap.add_argument("--variants", default="", help="comma-separated subset of: " + ", ".join(
+        v.name for v in default_variants()[1:]) + " (default: all)")
+    ap.add_argument("--no-write", action="store_true", help="do not write bench/results")
+    args = ap.parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+    torch.set_num_threads(args.threads)
+    configs = ["small"] if args.quick else [c.strip() for c in args.configs.split(",") if c.strip()]
+    for c in configs:
+        if c not in _models.CONFIGS:
+            ap.error(f"unknown config {c!r}, expected some of {sorted(_models.CONFIGS)}")
+    defaults = {"small": (20, 3, 150.0), "big": (6, 1, 300.0)}
+    wanted = [w.strip() for w in args.variants.split(",") if w.strip()]
+    known = [v.name for v in default_variants()]
+    bad = [w for w in wanted if w not in known[1:]]
+    if bad:
+        ap.error(f"unknown variant(s) {bad}, expected some of {known[1:]}")
+    doc: dict[str, Any] = {"machine": machine_info(), "configs": {}}
+    for c in configs:
+        rounds, warmup, budget = defaults[c]
+        if args.quick:
+            rounds, warmup, budget = 4, 1, None
+        rounds = args.rounds if args.rounds is not None else rounds
+        warmup = args.warmup if args.warmup is not None else warmup
+        budget = args.budget if args.budget is not None else budget
+        variants = [v for v in default_variants() if v.name == "plain" or not wanted or v.name in wanted]
+        print(f"[{c}] building model")
+        model, opt, batch = _models.build(c, args.device)
+        res = measure(model, opt, batch, variants, rounds=rounds, warmup=warmup, budget_s=budget)
+        res["config"] = dict(_models.CONFIGS[c].__dict__)
+        res["ops"] = count_ops(model, opt, batch)
+        cheap = res["variants"].get("trace-cheap", {})
+        if c in TARGETS and "ratio" in cheap:
+            res["target"] = {"max_ratio": TARGETS[c], "ratio": cheap["ratio"], "met": cheap["ratio"] <= TARGETS[c]}
+        doc["configs"][c] = res
+        print(f"[{c}] ratios to plain (median, IQR of per-round ratios), plain median "
+              f"{res['variants']['plain'].get('median_s', float('nan')):.3f}s:")
+        for name, e in res["variants"].items():
+            if name != "plain":
+                print(f"    {name:12s} {_fmt_ratio(e)}")
+        del model, opt, batch
+        gc.collect()
+    if args.profile:
+        print("[profile] cheap tier, small config")
+        model, opt, batch = _models.build("small", args.device)
+        doc["profile"] = profile_cheap(model, opt, batch)
+        print(doc["profile"]["text"])
+    with contextlib.suppress(OSError):
+        doc["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    if not args.no_write:
+        os.makedirs(RESULTS, exist_ok=True)
+        with open(os.path.join(RESULTS, "trace_overhead.json"), "w") as f:
+            json.dump(doc, f, indent=1)
+        with open(os.path.join(RESULTS, "trace_overhead.md"), "w") as f:
+            f.write(to_markdown(doc))
+        print(f"wrote {RESULTS}/trace_overhead.json and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
