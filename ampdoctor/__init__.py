@@ -16,6 +16,7 @@ class AmpDoctorError(Exception):
 from ampdoctor import watch  # noqa: E402  (a callable module: ampdoctor.watch(...) and ampdoctor.watch.replay)
 from ampdoctor.diagnose import diagnose, diagnose_file  # noqa: E402
 from ampdoctor.findings._types import CODES, Finding, FixProposal, Report  # noqa: E402
+from ampdoctor.fixes import diagnose_and_fix, fix, verify  # noqa: E402
 from ampdoctor.precision.headroom import headroom  # noqa: E402
 from ampdoctor.trace import trace  # noqa: E402
 from ampdoctor.watch import AnomalyError  # noqa: E402
@@ -31,6 +32,9 @@ __all__ = [
     "diagnose_file",
     "trace",
     "headroom",
+    "diagnose_and_fix",
+    "fix",
+    "verify",
     "watch",
     "AnomalyError",
 ]

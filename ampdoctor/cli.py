@@ -105,8 +105,11 @@ def diagnose(file: str, precision: str | None, steps: int | None, policy: str, j
 @main.command()
 @click.option("--json", "json_dir", type=click.Path(file_okay=False), default=None,
               help="also write each report as JSON into this folder")
-def demo(json_dir: str | None) -> None:
-    """Diagnose the built-in scenarios: T5 fp16-amp FF overflow and BERT's unused pooler."""
+@click.option("--steps", type=click.IntRange(min=1), default=10, show_default=True,
+              help="training steps of each fix verification")
+def demo(json_dir: str | None, steps: int) -> None:
+    """Diagnose the built-in scenarios (T5 fp16-amp FF overflow, BERT's unused pooler) and verify a fix."""
+    from ampdoctor.fixes import diagnose_and_fix
     from ampdoctor.report import render_terminal, write_json
     from ampdoctor.scenarios import DEMO, load_scenario
 
@@ -115,11 +118,81 @@ def demo(json_dir: str | None) -> None:
         module = load_scenario(name)
         title = (module.__doc__ or name).strip().splitlines()[0]
         console.rule(f"[bold]{name}[/bold]: {title}")
-        report = ampdoctor.diagnose_file(str(module.__file__))
+        report = diagnose_and_fix(str(module.__file__), steps=steps, until_verified=True)
         render_terminal(report, console=console)
+        console.print(_fix_table(report, steps))
         if json_dir:
             os.makedirs(json_dir, exist_ok=True)
             write_json(report, os.path.join(json_dir, f"{name}.json"))
+
+
+@main.command("fix")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--apply", "which", default="best", show_default=True,
+              help="the fix to apply: 'best' (the first verified one) or a fix id (keep_fp32, switch_precision, ...)")
+@click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
+              help="training steps of each verification run")
+@click.option("--save", "save_path", type=click.Path(dir_okay=False), default=None,
+              help="write the fixed model's state_dict (torch.save) to this path")
+@click.option("--policy", type=click.Choice(["cuda", "native"]), default="cuda",
+              help="autocast op policy for *-amp: CUDA's (emulated off-GPU) or the device's own")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
+              help="write the report with every verified fix as JSON")
+def fix_cmd(file: str, which: str, steps: int, save_path: str | None, policy: str, json_out: str | None) -> None:
+    """Diagnose FILE, verify the proposed fixes against fp32 and apply one (exit 0: a verified fix was applied)."""
+    import torch
+    from rich.syntax import Syntax
+
+    from ampdoctor.fixes import FIXES, diagnose_and_fix
+    from ampdoctor.fixes import fix as apply_fix
+    from ampdoctor.precision import load_scenario_module
+
+    if which != "best" and which not in FIXES:
+        _fail(f"invalid --apply {which!r}: expected 'best' or one of {', '.join(sorted(FIXES))}")
+    try:
+        report = diagnose_and_fix(file, steps=steps, policy=policy, until_verified=which == "best")
+    except AmpDoctorError as e:
+        _fail(str(e))
+    console = _console()
+    console.print(_fix_table(report, steps))
+    if json_out:
+        from ampdoctor.report import write_json
+
+        write_json(report, json_out)
+    try:
+        model = load_scenario_module(file).make()["model"]  # a fresh model: make() builds new objects
+        result = apply_fix(model, report, which=which)
+    except (AmpDoctorError, ValueError) as e:
+        console.print(f"no fix applied: {e}")
+        sys.exit(1)
+    for line in result.applied:
+        console.print(f"applied: {line}")
+    for change in result.training_changes:
+        if isinstance(change, str):
+            console.print("change in your training loop:")
+            console.print(Syntax(change, "python"))
+    if save_path:
+        torch.save(result.model.state_dict(), save_path)
+        console.print(f"fixed model's state_dict written to {save_path}")
+    sys.exit(0 if result.proposal.verified else 1)
+
+
+def _fix_table(report: Any, steps: int) -> Any:
+    from rich.table import Table
+
+    from ampdoctor.fixes import before_after_table
+
+    table = Table(title=f"fixes, verified over {steps} training steps against fp32", title_justify="left")
+    for col in ("fix", "verified", "loss fp32", "loss broken", "loss fixed", "max rel err (step 1)",
+                f"max rel err ({steps} steps)", "tolerance", "steps finite (broken -> fixed)"):
+        table.add_column(col, overflow="fold")
+    rows = before_after_table(report)
+    for r in rows:
+        table.add_row(r["fix"], "[green]yes[/green]" if r["verified"] else "[red]no[/red]", str(r["loss_fp32"]),
+                      str(r["loss_broken"]), str(r["loss_fixed"]), str(r["max_rel_err_first_step"]),
+                      str(r["max_rel_err_curve"]), str(r["tolerance"]),
+                      f"{r['steps_finite_broken']} -> {r['steps_finite']}")
+    return table
 
 
 @main.command()

@@ -11,4 +11,4 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
 fi
 python -m ruff check ampdoctor tests bench
 python -m mypy ampdoctor
-python -m pytest -q "$@"
+python -m pytest -q -rs "$@"

@@ -112,3 +112,6 @@ def test_demo_prints_both_diagnoses() -> None:
     assert t5["module"] in out.replace("\n", "").replace(" ", "") or "DenseReluDense.wo" in out
     assert "unused-parameters" in out and "pooler.dense" in out
     assert "overflow" in out and "65504" in out
+    # each motivating case ends with a fix verified against fp32
+    assert out.count("verified over 10 training steps against fp32") == 2
+    assert "switch_precision" in out and "exclude_unused" in out and "yes" in out

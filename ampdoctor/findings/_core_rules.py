@@ -62,6 +62,19 @@ def _out_of_range_constant(ctx: Context, r: OpRecord) -> float | None:
     return None
 
 
+def _loss_scale_at(ctx: Context, step: int) -> float | None:
+    """The loss scale a step's backward ran with: the run's GradScaler before that step's update."""
+    from ampdoctor.findings._training_rules import scales_of
+
+    scaler = ctx.spec.scaler
+    if scaler is None or not scaler.is_enabled():
+        return None
+    initial = float(scaler.get_scale()) if getattr(scaler, "_scale", None) is not None else float(
+        scaler._init_scale)
+    before = [initial, *scales_of(ctx)]
+    return before[step] if step < len(before) else None
+
+
 def keep_fp32_fix(module: str) -> FixProposal:
     return FixProposal(
         title=f"run `{module}` in float32 (autocast disabled inside it, inputs upcast)",
@@ -71,11 +84,13 @@ def keep_fp32_fix(module: str) -> FixProposal:
 
 
 def bf16_fix(precision: str | None) -> FixProposal:
-    target = "bf16-amp" if precision in (None, "fp16-amp") else "bf16"
+    """bf16 autocast with fp32 weights: the exponent range of fp32 without losing small updates, which a
+    whole-model bf16 cast would (its 8-bit mantissa rounds AdamW's updates away)."""
+    del precision  # the same advice from fp16, fp16-amp or an as-given run
     return FixProposal(
-        title="train in bfloat16 (same exponent range as fp32: max 3.39e38)",
+        title="run in bfloat16 autocast with fp32 weights (same exponent range as fp32: max 3.39e38)",
         snippet="with torch.autocast(device_type, dtype=torch.bfloat16):  # no GradScaler needed\n    loss = ...",
-        id="switch_precision", params={"precision": target})
+        id="switch_precision", params={"precision": "bf16-amp"})
 
 
 @rule("overflow", severity="error", precedence=40,
@@ -120,8 +135,18 @@ def overflow(ctx: Context) -> list[Candidate]:
         ev["first_nan"] = ctx.describe(nan) if nan is not None else None
         fixes = [keep_fp32_fix(r.module)] if r.module else []
         fixes.append(bf16_fix(ctx.spec.precision))
+        severity = "error"
+        scale = _loss_scale_at(ctx, r.step) if r.phase == "backward" else None
+        if scale is not None and scale > 1 and "ref_absmax" in ev and ev["ref_absmax"] / scale <= fmax:
+            # only the loss scale pushes this gradient over the max: GradScaler skips the step and backs off
+            severity = "warning"
+            ev["loss_scale"] = scale
+            ev["unscaled_absmax"] = ev["ref_absmax"] / scale
+            expl += (f" The gradient is multiplied by the loss scale {fmt(scale)}; unscaled it is "
+                     f"{fmt(ev['unscaled_absmax'])} and fits, so GradScaler skips this step and halves the scale "
+                     "(normal while it calibrates; a scale that keeps falling is reported as loss-scale-collapse).")
         out.append(Candidate(Finding(
-            "overflow", "error", r.module, r.op, r.phase,  # type: ignore[arg-type]
+            "overflow", severity, r.module, r.op, r.phase,  # type: ignore[arg-type]
             f"{op_base(r.op)} overflows {dtype_name(r.dtype)} in {r.module or '<root>'}",
             expl, ev, tuple(fixes), r.step), r.index))
     return out
