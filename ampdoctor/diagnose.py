@@ -16,10 +16,18 @@ import torch
 from torch import nn
 
 from ampdoctor import AmpDoctorError
-from ampdoctor.findings import Report, analyse, build_context
+from ampdoctor.findings import CODES, Finding, Report, analyse, build_context
 from ampdoctor.findings._context import Context, chain_summary, dtype_name, limits
 from ampdoctor.findings._knowledge import enrich_all
-from ampdoctor.precision import StepSpec, load_scenario_module, make_spec, run, saved_rng, spec_from_module
+from ampdoctor.precision import (
+    StepSpec,
+    _distributed,
+    load_scenario_module,
+    make_spec,
+    run,
+    saved_rng,
+    spec_from_module,
+)
 from ampdoctor.trace._lineage import is_nonfinite
 
 log = logging.getLogger(__name__)
@@ -90,6 +98,11 @@ def diagnose_spec(spec: StepSpec, *, policy: str = "cuda", progress: Any = None)
     phase("analysis")
     ctx = build_context(spec, target, reference)
     findings = enrich_all(analyse(ctx), spec.model, spec.precision)
+    # under DDP/FSDP: one all_reduce shares each rank's own non-finite origin (every rank runs diagnose)
+    agreement = _distributed.agree(spec.model, ctx.records, ctx.lineage.carried,
+                                   [o.record.index for o in ctx.harmful_origins()], findings, CODES)
+    if agreement is not None:
+        findings = [Finding(**kw) for kw in agreement.inserted] + list(agreement.findings)
     if target.exc is not None and not any(f.severity == "error" for f in findings):
         err = target.trace.error or {}
         where = f" in {err.get('op', '?')} of {err.get('module') or '<root>'}" if err else ""
@@ -98,6 +111,8 @@ def diagnose_spec(spec: StepSpec, *, policy: str = "cuda", progress: Any = None)
             f"{where}: {str(target.exc).splitlines()[0] if str(target.exc) else ''}. ampdoctor found no numerics "
             "cause for it; run the step without ampdoctor to see the full traceback") from target.exc
     summary = _summary(ctx, findings, time.perf_counter() - t0)
+    if agreement is not None:
+        summary.update(agreement.summary())  # rank, world_size, nonfinite_ranks, nonfinite_origin, ...
     phase("done")
     return Report(tuple(findings), spec.precision, summary, tuple(_layers(ctx)), spec.source)
 

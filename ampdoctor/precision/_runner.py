@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ampdoctor.precision import _distributed
 from ampdoctor.precision._spec import ScenarioError, StepSpec
 from ampdoctor.trace import Trace, TraceResult, iter_tensors
 
@@ -208,8 +209,8 @@ def _coverage(model: nn.Module, names: dict[int, str], owners: dict[int, str], o
             continue
         g = p.grad
         zero = None
-        if g is not None and g.numel():
-            zero = (g == 0).sum().to(torch.float64) / g.numel()
+        if g is not None and g.numel():  # count_nonzero: no gradient-sized temporary
+            zero = (g.numel() - torch.count_nonzero(g)).to(torch.float64) / g.numel()
         out.append(ParamState(
             names.get(id(p), ""), owners.get(id(p), ""), str(p.dtype).replace("torch.", ""), True, g is None,
             True if in_opt is None else id(p) in in_opt, "" if g is None else str(g.dtype).replace("torch.", ""),
@@ -247,6 +248,7 @@ def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: b
     model, opt, scaler = copy_objects(spec)
     batch = copy.deepcopy(spec.batch)
     device = _device_of(model)
+    dtypes = _distributed.param_dtypes(model)
     if reference:
         if any(t.is_floating_point() and t.dtype != torch.float32 for t in list(model.parameters()) + list(
                 model.buffers())):
@@ -260,6 +262,7 @@ def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: b
 
     for transform in spec.transforms:
         transform(model, opt, scaler)
+    _distributed.resync_after_cast(model, dtypes)  # a cast leaves DDP's gradient hooks on stale accumulators
     tr = Trace(model, opt, full=True)
     tr.mode.headroom = headroom
     names = tr.attribution.param_names
@@ -380,6 +383,10 @@ def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: b
                         "batch's keys, shapes and dtypes against the model's forward") from e
                 result.exc, result.exc_step = e, step
                 result.exc_traceback = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-3:])
+                # the traceback's frames hold the copy and the step's activations: drop this frame (its locals
+                # are the copy) and clear the finished ones below it, keeping file/line for display
+                e.__traceback__ = e.__traceback__.tb_next if e.__traceback__ is not None else None
+                traceback.clear_frames(e.__traceback__)
                 log.info("%s run raised at step %d: %s", result.label, step, e)
                 break
     if hasattr(fp8, "stats"):
@@ -405,6 +412,10 @@ def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: b
                     ps.grad_zero = next(it)
     if keep_models:
         result.models = (model, opt, scaler, batch)
+    # The callbacks close over ``tr`` (a reference cycle through the model copy): break it, so the copy is freed
+    # as soon as this returns, not at the next garbage collection (the next run's copy would be made first).
+    tr.on_optimizer_pre.clear()
+    tr.on_optimizer_post.clear()
     return result
 
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ampdoctor import AmpDoctorError
+from ampdoctor.precision._distributed import copy_limitation
 
 #: Precisions a step can run in. ``None`` runs the step as given (it may cast or autocast itself).
 PRECISIONS: tuple[str | None, ...] = (None, "fp16", "bf16", "fp16-amp", "bf16-amp", "fp8", "fp8-e4m3", "fp8-e5m2")
@@ -93,6 +94,9 @@ def make_spec(
             "model is a torch.compile()d module; compiled graphs hide the individual ops. Pass the original module "
             "(model._orig_mod) to diagnose it"
         )
+    why = copy_limitation(model)
+    if why is not None:
+        raise ScenarioError(why)
     if precision not in PRECISIONS:
         allowed = ", ".join(repr(p) for p in PRECISIONS)
         raise ScenarioError(f"invalid precision {precision!r}, expected one of {allowed}")

@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ampdoctor.trace._modules import ModuleAttribution
 from ampdoctor.trace._stats import (
@@ -96,9 +96,16 @@ def _flat(obj: Any, out: list[torch.Tensor]) -> None:
 
 
 def _safe(fn: Any, t: torch.Tensor, *extra: Any) -> torch.Tensor:
-    """Statistics must never break the user's step: on failure, a row of NaN marks the record unknown."""
+    """Statistics must never break the user's step: on failure, a row of NaN marks the record unknown.
+
+    They run outside every other mode (torch-function modes such as the precision emulation, dispatch modes
+    below this one): they are ours, not the step's, so nothing may cast, count or intercept them."""
     try:
-        return fn(t, *extra)
+        with torch._C.DisableTorchFunction():
+            if torch._C._len_torch_dispatch_stack():
+                with _disable_current_modes():
+                    return fn(t, *extra)
+            return fn(t, *extra)
     except Exception:  # noqa: BLE001 - observation must not raise into user code
         n = len(CHEAP_FIELDS) if fn is cheap_stats else len(FULL_FIELDS)
         return torch.full((n,), math.nan, dtype=torch.float64, device=t.device)
@@ -148,6 +155,7 @@ class RecordingMode(TorchDispatchMode):
         self.enabled = True
         self.headroom = False
         self._info: dict[Any, tuple[str, str, bool, bool]] = {}
+        self._wo: dict[Any, frozenset[str]] = {}
         self.scratch = Scratch()
         self._row_base = 0
         self._read_upto = 0
@@ -223,9 +231,9 @@ class RecordingMode(TorchDispatchMode):
                 self.records[idx2].inputs = (w,)
             elif idx is not None:
                 self.records[idx2].inputs = (idx,)
-            if w is not None:
+            if w is not None:  # named after the op that wrote through the other view
                 self.records[idx2].kind = "op"
-                self.records[idx2].op = "<view write>"
+                self.records[idx2].op = self.records[w].op
             return idx2
         return idx
 
@@ -241,6 +249,15 @@ class RecordingMode(TorchDispatchMode):
             self._info[func] = info
         return info
 
+    def _write_only(self, func: Any) -> frozenset[str]:
+        """Keyword-only arguments an op writes into (``out=``): never read as inputs. Cached per overload."""
+        names = self._wo.get(func)
+        if names is None:
+            names = frozenset(a.name for a in func._schema.arguments
+                              if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
+            self._wo[func] = names
+        return names
+
     def _cheap(self, func: Any, args: Any, kwargs: Any) -> Any:
         """The cheap tier: one ``aminmax`` per floating output; views skipped (their base is recorded), and in
         the optimizer step only writes into parameter storage."""
@@ -252,7 +269,7 @@ class RecordingMode(TorchDispatchMode):
             self._record_error(func, args, kwargs, node, phase, "", e)
             raise
         op, base, view, mutable = self._op_info(func)
-        if view or base in UNINITIALISED:
+        if view or base in UNINITIALISED or op.startswith("c10d."):
             return out
         if phase == "optimizer":
             outs: list[torch.Tensor] = []
@@ -327,8 +344,9 @@ class RecordingMode(TorchDispatchMode):
         phase = self._phase(node)
         ins: list[torch.Tensor] = []
         _flat(args, ins)
-        for v in kwargs.values():
-            _flat(v, ins)
+        for k, v in kwargs.items():
+            if k not in self._write_only(func):  # ``out=`` buffers are not inputs: their memory is not data yet
+                _flat(v, ins)
         module = self._module(node, phase, ins)
         full = self.full
         in_idx: tuple[int, ...] = ()
@@ -349,7 +367,10 @@ class RecordingMode(TorchDispatchMode):
         if not outs:
             return out
         node_name = type(node).__name__ if node is not None else ""
-        uninit = base in UNINITIALISED
+        # uninitialised memory and views of it (collective outputs keep their statistics: the rank agreement in
+        # ampdoctor.precision._distributed reads them and tolerates either side of the asynchronous update)
+        uninit = base in UNINITIALISED or (
+            _view and bool(in_idx) and in_idx[0] >= 0 and self.records[in_idx[0]].kind == "alloc")
         bounded = BOUNDED_OPS.get(base) if full else None
         src = _user_frame() if full and phase == "forward" else None
         scalars: tuple[float, ...] = ()

@@ -96,7 +96,7 @@ def test_overflow_fixes_keep_fp32_and_bf16(encoder_case):
     fixes = {x.id: x for x in f.fixes}
     assert fixes["keep_fp32"].params == {"modules": ["big"]}
     assert "run `big` in float32" in fixes["keep_fp32"].title
-    assert fixes["switch_precision"].params == {"precision": "bf16"}
+    assert fixes["switch_precision"].params == {"precision": "bf16-amp"}
     assert "bfloat16" in fixes["switch_precision"].title
 
 
