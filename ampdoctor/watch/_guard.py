@@ -54,7 +54,8 @@ ON_ANOMALY = ("warn", "raise", "skip", "replay")
 KINDS = ("nonfinite-loss", "nonfinite-grads", "grad-spike", "loss-scale-collapse")
 _LOW_DTYPES = (torch.float16, torch.bfloat16)
 _MAX_PENDING = 64
-_MAX_RECORDS = 100_000
+#: step records kept for the report (a window: memory stays flat however long training runs)
+_MAX_RECORDS = 4096
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -305,6 +306,8 @@ class Watch:
 
         self._step = 0
         self._records: list[StepRecord] = []
+        self._n_steps = 0
+        self._n_skipped_trimmed = 0
         self._it = _Iteration(StepRecord(0))
         self._last_it: _Iteration | None = None
         self._pending: list[tuple[str, torch.Tensor, Any]] = []
@@ -573,8 +576,11 @@ class Watch:
             self._pending.append(("loss", it.loss.float().sum().reshape(1), rec))
             it.loss = None
         self._records.append(rec)
-        if len(self._records) > _MAX_RECORDS:
-            del self._records[: _MAX_RECORDS // 2]
+        self._n_steps += 1
+        if len(self._records) > 2 * _MAX_RECORDS:  # old steps' deferred reads are long resolved
+            cut = len(self._records) - _MAX_RECORDS
+            self._n_skipped_trimmed += sum(1 for r in self._records[:cut] if r.skipped)
+            del self._records[:cut]
         if self._coverage is None:
             if it.seen:
                 self._cov_steps += 1
@@ -840,8 +846,8 @@ class Watch:
         tail = recs[-64:]
         summary: dict[str, Any] = {
             "source": "watch",
-            "steps": len(recs),
-            "skipped_steps": sum(1 for r in recs if r.skipped),
+            "steps": self._n_steps,
+            "skipped_steps": self._n_skipped_trimmed + sum(1 for r in recs if r.skipped),
             "steps_skipped_by_watch": self._skipped_by_guard,
             "losses": [r.loss for r in tail if r.loss is not None],
             "grad_norms": [r.grad_norm for r in tail if r.grad_norm is not None],
