@@ -11,8 +11,9 @@ lineage. ``full=True`` keeps full statistics (abs max, smallest nonzero, inf/NaN
 the lineage of every value; :func:`ampdoctor.diagnose` uses it.
 
 Side effects: forward pre/post hooks on every submodule and step pre/post hooks on the optimizer, all
-removed on exit (also on exceptions). No RNG is consumed and no result changes. Host syncs: none per op;
-:meth:`Trace.result` reads all statistics with one device-to-host copy per device.
+removed on exit (also on exceptions). No RNG is consumed and no result changes. Host syncs: none per op on an
+accelerator; :meth:`Trace.result` reads all statistics with one device-to-host copy per device. (On CPU, where
+no device sync exists, full statistics of large tensors read their range first to skip counts known to be 0.)
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ step. The field order is fixed by :data:`FULL_FIELDS` / :data:`CHEAP_FIELDS`.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -57,11 +58,29 @@ class Scratch:
     Writing comparisons and ``abs`` into preallocated buffers (``out=``) and counting with
     ``count_nonzero`` avoids allocating (and page-faulting) a fresh tensor per statistic: on CPU that is
     4-10x faster for large tensors than ``(x == 0).sum()``.
+
+    Statistics rows are handed out as rows of blocks of :attr:`ROWS_PER_BLOCK` (:meth:`row`): thousands of
+    separately allocated 88-byte tensors that outlive the step's transient tensors pin the holes those leave in
+    the C heap (measured on a 220M-parameter T5 step: 0.9 GiB more peak RSS). Rows are never handed out twice.
     """
+
+    ROWS_PER_BLOCK = 2048
 
     def __init__(self) -> None:
         self._float: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._bool: dict[torch.device, torch.Tensor] = {}
+        self._rows: dict[tuple[torch.device, int], list[Any]] = {}
+
+    def row(self, width: int, device: torch.device) -> torch.Tensor:
+        """A fresh float64 vector of ``width`` elements (uninitialised), a row of a shared block."""
+        key = (device, width)
+        block = self._rows.get(key)
+        if block is None or block[1] == self.ROWS_PER_BLOCK:
+            block = [torch.empty((self.ROWS_PER_BLOCK, width), dtype=torch.float64, device=device), 0]
+            self._rows[key] = block
+        row = block[0][block[1]]
+        block[1] += 1
+        return row
 
     def floats(self, x: torch.Tensor) -> torch.Tensor:
         key = (x.device, x.dtype)
@@ -81,6 +100,17 @@ class Scratch:
     def clear(self) -> None:
         self._float.clear()
         self._bool.clear()
+        self._rows.clear()
+
+
+def _row(scratch: Scratch | None, parts: list[torch.Tensor] | None, values: list[float] | None,
+         device: torch.device) -> torch.Tensor:
+    """A statistics row from 0-d tensors ``parts`` or host ``values``, in ``scratch``'s row blocks if given."""
+    if parts is not None:
+        parts = [p.to(torch.float64) for p in parts]
+        return torch.stack(parts) if scratch is None else torch.stack(parts, out=scratch.row(len(parts), device))
+    row = torch.tensor(values, dtype=torch.float64, device=device)
+    return row if scratch is None else scratch.row(len(row), device).copy_(row)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -118,9 +148,9 @@ def full_stats(t: torch.Tensor, bounded: str | None = None, scratch: Scratch | N
         return torch.tensor([0.0, math.inf, 0, 0, 0, 0, 0, 0, 0, 0, 0], dtype=torch.float64, device=dev)
     sc = scratch if scratch is not None else Scratch()
     if n >= CPU_FAST_MIN and dev.type == "cpu":
-        row = _full_stats_finite_cpu(x, finfo, bounded, sc)
-        if row is not None:
-            return row
+        values = _full_stats_finite_cpu(x, finfo, bounded, sc)
+        if values is not None:
+            return _row(scratch, None, values, dev)
     b = sc.bools(x)
     a = torch.abs(x, out=sc.floats(x))
     cnt = torch.count_nonzero
@@ -147,12 +177,12 @@ def full_stats(t: torch.Tensor, bounded: str | None = None, scratch: Scratch | N
     min_nz = a.amin()
     parts = [absmax, min_nz, n_nan, n_posinf, n_neginf, n_zero, n_sub, n_at_max,
              torch.full((), float(n), device=dev), norm, n_lim]
-    return torch.stack([p.to(torch.float64) for p in parts])
+    return _row(scratch, parts, None, dev)
 
 
 def _full_stats_finite_cpu(x: torch.Tensor, finfo: torch.finfo, bounded: str | None,
-                           sc: Scratch) -> torch.Tensor | None:
-    """:func:`full_stats` of a contiguous CPU tensor that holds no inf or NaN; ``None`` if it holds any.
+                           sc: Scratch) -> list[float] | None:
+    """:func:`full_stats` values of a contiguous CPU tensor that holds no inf or NaN; ``None`` if it holds any.
 
     Walks ``x`` in chunks of :data:`CPU_CHUNK` elements: ``abs`` into a chunk-sized scratch buffer (still in cache)
     and one ``aminmax`` of it decide everything else, since a non-finite value shows in its max (NaN propagates),
@@ -193,8 +223,8 @@ def _full_stats_finite_cpu(x: torch.Tensor, finfo: torch.finfo, bounded: str | N
     if bounded == "01":
         n_lim += n_zero
     norm = torch.linalg.vector_norm(flat, dtype=torch.float64 if flat.dtype == torch.float64 else torch.float32)
-    return torch.tensor([absmax, min_nz, 0.0, 0.0, 0.0, float(n_zero), float(n_sub), float(n_at_max), float(n),
-                         norm.item(), float(n_lim)], dtype=torch.float64)
+    return [absmax, min_nz, 0.0, 0.0, 0.0, float(n_zero), float(n_sub), float(n_at_max), float(n), norm.item(),
+            float(n_lim)]
 
 
 def lite_stats(t: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
@@ -211,8 +241,9 @@ def lite_stats(t: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
     if x.numel() >= CPU_FAST_MIN and dev.type == "cpu":
         lo, hi = mn.item(), mx.item()
         has_nan = lo != lo or hi != hi
-        return torch.tensor([0.0 if has_nan else max(abs(lo), abs(hi)), math.inf, float(has_nan), float(hi == math.inf),
-                             float(lo == -math.inf), 0.0, 0.0, 0.0, float(x.numel()), 0.0, 0.0], dtype=torch.float64)
+        return _row(scratch, None, [0.0 if has_nan else max(abs(lo), abs(hi)), math.inf, float(has_nan),
+                                    float(hi == math.inf), float(lo == -math.inf), 0.0, 0.0, 0.0, float(x.numel()),
+                                    0.0, 0.0], dev)
     mn, mx = mn.to(torch.float64), mx.to(torch.float64)
     nan = (mn != mn) | (mx != mx)
     absmax = torch.where(nan, torch.zeros((), dtype=torch.float64, device=dev), torch.maximum(mn.abs(), mx.abs()))
@@ -220,7 +251,7 @@ def lite_stats(t: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
     parts = [absmax, torch.full((), math.inf, dtype=torch.float64, device=dev), nan.to(torch.float64),
              (mx == math.inf).to(torch.float64), (mn == -math.inf).to(torch.float64), zero, zero, zero,
              torch.full((), float(x.numel()), dtype=torch.float64, device=dev), zero, zero]
-    return torch.stack(parts)
+    return _row(scratch, parts, None, dev)
 
 
 #: Flush thresholds per format (half the smallest subnormal: anything below rounds to zero), in this order.
