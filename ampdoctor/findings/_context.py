@@ -157,6 +157,26 @@ def build_context(spec: StepSpec, target: RunResult, reference: RunResult | None
     return ctx
 
 
+def feeders(records: list[OpRecord], record: OpRecord, depth: int, follow: Any = None) -> list[OpRecord]:
+    """Records feeding ``record`` within ``depth`` hops, breadth first, each once. With ``follow``, only records for
+    which ``follow(x)`` is true are returned and walked through."""
+    out: list[OpRecord] = []
+    frontier, seen = list(record.inputs), set()
+    for _ in range(depth):
+        nxt: list[int] = []
+        for i in frontier:
+            if i < 0 or i in seen:
+                continue
+            seen.add(i)
+            x = records[i]
+            if follow is not None and not follow(x):
+                continue
+            out.append(x)
+            nxt.extend(x.inputs)
+        frontier = nxt
+    return out
+
+
 def nan_record(ctx: Context, origin: int) -> OpRecord | None:
     i = ctx.lineage.first_nan.get(origin)
     return None if i is None else ctx.records[i]
@@ -181,5 +201,5 @@ def chain_summary(ctx: Context, origin: int) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["Context", "Origin", "agrees", "build_context", "chain_summary", "dtype_name", "has_nan", "limits",
-           "nan_record", "op_base"]
+__all__ = ["Context", "Origin", "agrees", "build_context", "chain_summary", "dtype_name", "feeders", "has_nan",
+           "limits", "nan_record", "op_base"]

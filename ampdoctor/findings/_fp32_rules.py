@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ampdoctor.findings._context import Context, dtype_name, limits, op_base
+from ampdoctor.findings._context import Context, dtype_name, feeders, limits, op_base
 from ampdoctor.findings._core_rules import base_evidence, bf16_fix, fmt, keep_fp32_fix, where
 from ampdoctor.findings._range_rules import (
     ALIAS_OPS,
@@ -311,21 +311,8 @@ def _norm_stats(ctx: Context) -> list[Candidate]:
         if r.kind != "op" or r.phase != "forward" or op_base(r.op) not in NORM_SCALE_OPS or r.module in done:
             continue
         # the statistic ops of this module that feed the scale
-        stats: list[OpRecord] = []
-        frontier, visited = list(r.inputs), set()
-        for _ in range(4):
-            nxt: list[int] = []
-            for i in frontier:
-                if i < 0 or i in visited:
-                    continue
-                visited.add(i)
-                x = recs[i]
-                if x.module != r.module or x.kind != "op":
-                    continue
-                if op_base(x.op) in NORM_STAT_OPS and is_low(x.dtype):
-                    stats.append(x)
-                nxt.extend(x.inputs)
-            frontier = nxt
+        own_ops = feeders(recs, r, 4, lambda x, m=r.module: x.module == m and x.kind == "op")
+        stats = [x for x in own_ops if op_base(x.op) in NORM_STAT_OPS and is_low(x.dtype)]
         if not stats:
             continue
         done.add(r.module)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ampdoctor.findings._context import Context, dtype_name, limits, op_base
+from ampdoctor.findings._context import Context, dtype_name, feeders, limits, op_base
 from ampdoctor.findings._core_rules import base_evidence, bf16_fix, fmt, keep_fp32_fix, where
 from ampdoctor.findings._registry import Candidate, rule
 from ampdoctor.findings._types import Finding, FixProposal
@@ -640,18 +640,8 @@ def trig_buffer_sources(ctx: Context) -> list[tuple[OpRecord, OpRecord]]:
     for r in recs:
         if r.kind != "op" or r.phase != "forward" or op_base(r.op) not in ("sin", "cos") or r.step != 0:
             continue
-        frontier, visited = list(r.inputs), set()
-        for _ in range(10):
-            nxt: list[int] = []
-            for i in frontier:
-                if i < 0 or i in visited:
-                    continue
-                visited.add(i)
-                x = recs[i]
-                if x.kind == "input" and is_low(x.dtype) and x.stats.get("numel", 0) > 1:
-                    out.append((r, x))
-                nxt.extend(x.inputs)
-            frontier = nxt
+        out.extend((r, x) for x in feeders(recs, r, 10)
+                   if x.kind == "input" and is_low(x.dtype) and x.stats.get("numel", 0) > 1)
     ctx.__dict__["_ampdoctor_trig"] = out
     return out
 
@@ -735,20 +725,10 @@ def cancellation_nan_origins(ctx: Context) -> list[tuple[Any, OpRecord | None]]:
             continue
         # walk up to 6 records back for the op with the largest relative error that cancels (sub/add/...)
         best: OpRecord | None = None
-        frontier = [i for i in r.inputs if i >= 0]
-        seen: set[int] = set()
-        for _ in range(6):
-            nxt: list[int] = []
-            for i in frontier:
-                if i in seen:
-                    continue
-                seen.add(i)
-                x = recs[i]
-                if op_base(x.op) in CANCEL_OPS and err.get(i, 0.0) > 0.5 and (
-                        best is None or err.get(i, 0.0) > err.get(best.index, 0.0)):
-                    best = x
-                nxt.extend(j for j in x.inputs if j >= 0)
-            frontier = nxt
+        for x in feeders(recs, r, 6):
+            if op_base(x.op) in CANCEL_OPS and err.get(x.index, 0.0) > 0.5 and (
+                    best is None or err.get(x.index, 0.0) > err.get(best.index, 0.0)):
+                best = x
         out.append((o, best))
     return out
 
