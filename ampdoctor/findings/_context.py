@@ -13,6 +13,7 @@ or an optimizer-phase value, or when a finite record that absorbed it disagrees 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,6 +158,14 @@ def build_context(spec: StepSpec, target: RunResult, reference: RunResult | None
     return ctx
 
 
+def group_by_owner(names: Iterable[str], owners: dict[str, str]) -> dict[str, list[str]]:
+    """Parameter names grouped by the module that registers them, in first-seen order."""
+    out: dict[str, list[str]] = {}
+    for n in names:
+        out.setdefault(owners.get(n, n.rpartition(".")[0]), []).append(n)
+    return out
+
+
 def feeders(records: list[OpRecord], record: OpRecord, depth: int, follow: Any = None) -> list[OpRecord]:
     """Records feeding ``record`` within ``depth`` hops, breadth first, each once. With ``follow``, only records for
     which ``follow(x)`` is true are returned and walked through."""
@@ -201,5 +210,5 @@ def chain_summary(ctx: Context, origin: int) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["Context", "Origin", "agrees", "build_context", "chain_summary", "dtype_name", "feeders", "has_nan",
-           "limits", "nan_record", "op_base"]
+__all__ = ["Context", "Origin", "agrees", "build_context", "chain_summary", "dtype_name", "feeders", "group_by_owner",
+           "has_nan", "limits", "nan_record", "op_base"]

@@ -7,7 +7,7 @@ import math
 import os
 from typing import Any
 
-from ampdoctor.findings._context import Context, Origin, dtype_name, limits, nan_record, op_base
+from ampdoctor.findings._context import Context, Origin, dtype_name, group_by_owner, limits, nan_record, op_base
 from ampdoctor.findings._registry import Candidate, rule
 from ampdoctor.findings._types import Finding, FixProposal
 from ampdoctor.trace import OpRecord
@@ -320,14 +320,6 @@ def nonfinite_input(ctx: Context) -> list[Candidate]:
     return out
 
 
-def _group_by_owner(names: list[str], owners: dict[str, str]) -> dict[str, list[str]]:
-    groups: dict[str, list[str]] = {}
-    for n in names:
-        groups.setdefault(owners.get(n, ""), []).append(n)
-    # collapse children into the highest owner whose every parameter is in the set
-    return groups
-
-
 @rule("unused-parameters", severity="warning", precedence=70,
       summary="trainable parameters get no gradient (None) or are missing from the optimizer")
 def unused_parameters(ctx: Context) -> list[Candidate]:
@@ -345,7 +337,7 @@ def unused_parameters(ctx: Context) -> list[Candidate]:
         crashed = ctx.target.exc is not None
         ddp = type(ctx.spec.model).__name__ == "DistributedDataParallel"
         severity = "error" if crashed or ddp else "warning"
-        for owner, params in sorted(_group_by_owner(none, ctx.target.owners).items()):
+        for owner, params in sorted(group_by_owner(none, ctx.target.owners).items()):
             numel = sum(1 for _ in params)
             ev: dict[str, Any] = {"parameters": params, "count": numel, "of_trainable": len(cov)}
             if crashed:
@@ -373,7 +365,7 @@ def unused_parameters(ctx: Context) -> list[Candidate]:
                 -3.0 if crashed else LATE))
     missing = [p.name for p in cov if not p.in_optimizer and not p.grad_none]
     if missing:
-        for owner, params in sorted(_group_by_owner(missing, ctx.target.owners).items()):
+        for owner, params in sorted(group_by_owner(missing, ctx.target.owners).items()):
             expl = (f"{len(params)} trainable parameter(s) of {owner or '<root>'} get gradients but are not in the "
                     "optimizer's param_groups, so they are never updated.")
             out.append(Candidate(Finding(

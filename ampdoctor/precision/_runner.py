@@ -418,6 +418,3 @@ def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: b
     tr.on_optimizer_post.clear()
     return result
 
-
-def tensors_of(obj: Any) -> list[torch.Tensor]:
-    return list(iter_tensors(obj))

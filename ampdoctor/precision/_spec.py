@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import math
 import os
 import sys
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -202,15 +201,3 @@ def spec_from_module(module: Any, source: str = "", **overrides: Any) -> StepSpe
     batch = kw.pop("batch", None)
     return make_spec(model, batch, source=source, **kw)
 
-
-def expected(module: Any) -> dict[str, Any] | None:
-    exp = getattr(module, "EXPECT", None)
-    return dict(exp) if isinstance(exp, dict) else None
-
-
-def with_precision(spec: StepSpec, precision: str | None) -> StepSpec:
-    return replace(spec, precision=precision)
-
-
-def finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)

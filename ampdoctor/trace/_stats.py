@@ -48,10 +48,6 @@ BOUNDED_OPS: dict[str, str] = {
 }
 
 
-def is_float(t: torch.Tensor) -> bool:
-    return t.is_floating_point()
-
-
 class Scratch:
     """Reusable work buffers, one float buffer per (device, dtype) and one bool buffer per device.
 

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ampdoctor.findings._context import group_by_owner
 from ampdoctor.findings._types import Finding, FixProposal, Report
 
 #: Codes whose finding names the op that produced a bad value (used to attribute a loss-scale collapse).
@@ -94,14 +95,6 @@ def skipped_runs(records: Iterable[StepRecord]) -> list[tuple[int, int, bool]]:
         else:
             i += 1
     return runs
-
-
-def group_by_owner(names: Iterable[str], owners: dict[str, str]) -> dict[str, list[str]]:
-    """Parameter names grouped by the module that registers them, in first-seen order."""
-    out: dict[str, list[str]] = {}
-    for n in names:
-        out.setdefault(owners.get(n, n.rpartition(".")[0]), []).append(n)
-    return out
 
 
 def _shorten(names: Sequence[str], k: int = 4) -> str:
