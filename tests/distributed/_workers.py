@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import tempfile
 import time
 import warnings
@@ -60,10 +61,16 @@ def _entry(rank: int, fn: Any, world_size: int, tmp: str) -> None:
                             world_size=world_size, timeout=timedelta(seconds=60))
     try:
         result = fn(rank, world_size, tmp)
+        with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+        dist.barrier()  # no rank tears down gloo while another still has collectives in flight
     finally:
         dist.destroy_process_group()
-    with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
+    # Leave without running interpreter teardown: gloo's background threads can abort the process there
+    # ("terminate called without an active exception", SIGABRT) after all the work is done and saved.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # -------------------------------------------------------------------------------------------------- helpers
