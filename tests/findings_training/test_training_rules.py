@@ -117,7 +117,8 @@ def test_stable_scaler_is_healthy() -> None:
 
 
 # -- loss-scaling-misuse ----------------------------------------------------------------------------------------------
-def test_clipping_before_unscale_is_flagged() -> None:
+def _diagnose_clipping(clip_before_unscale: bool) -> ampdoctor.Report:
+    """A GradScaler step that clips gradients to norm 1, before (wrong) or after (right) ``scaler.unscale_``."""
     torch.manual_seed(0)
     model = nn.Sequential(OrderedDict(fc=nn.Linear(8, 8), head=nn.Linear(8, 1)))
 
@@ -126,14 +127,21 @@ def test_clipping_before_unscale_is_flagged() -> None:
         with torch.autocast("cpu", dtype=torch.float16):
             loss = mse(m(batch), batch)
         scaler.scale(loss).backward()
-        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)  # wrong: the grads are still scaled
+        if clip_before_unscale:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)  # wrong: the grads are still scaled
         scaler.unscale_(optimizer)
+        if not clip_before_unscale:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
         scaler.step(optimizer)
         scaler.update()
         return loss
 
-    report = ampdoctor.diagnose(model, torch.randn(4, 8), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                scaler=torch.amp.GradScaler("cpu"), train_step=train_step)
+    return ampdoctor.diagnose(model, torch.randn(4, 8), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                              scaler=torch.amp.GradScaler("cpu"), train_step=train_step)
+
+
+def test_clipping_before_unscale_is_flagged() -> None:
+    report = _diagnose_clipping(clip_before_unscale=True)
     f = next(f for f in report.findings if f.code == "loss-scaling-misuse")
     assert f.phase == "optimizer" and f.severity == "warning"
     assert "scaler.unscale_(optimizer)\ntorch.nn.utils.clip_grad_norm_" in f.fixes[0].snippet
@@ -152,22 +160,7 @@ def test_gradscaler_with_fp16_parameters_is_misuse() -> None:
 
 
 def test_unscale_then_clip_is_healthy() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(OrderedDict(fc=nn.Linear(8, 8), head=nn.Linear(8, 1)))
-
-    def train_step(m, batch, optimizer, scaler):  # noqa: ANN001, ANN202
-        optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = mse(m(batch), batch)
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-        scaler.step(optimizer)
-        scaler.update()
-        return loss
-
-    report = ampdoctor.diagnose(model, torch.randn(4, 8), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                scaler=torch.amp.GradScaler("cpu"), train_step=train_step)
+    report = _diagnose_clipping(clip_before_unscale=False)
     assert "loss-scaling-misuse" not in report.codes() and report.ok
 
 
