@@ -4,22 +4,20 @@
 >>> report = ampdoctor.diagnose(model, batch, precision="fp16-amp")   # doctest: +SKIP
 >>> report.findings[0].code, report.findings[0].module                # doctest: +SKIP
 ('overflow', 'encoder.block.0.layer.1.DenseReluDense.wo')
+
+``ampdoctor.watch(...)`` is the always-on guard (a function); its reproducers replay with
+``ampdoctor.replay(path, model_factory=...)``.
 """
 
+from ampdoctor.diagnose import diagnose, diagnose_file
+from ampdoctor.errors import AmpDoctorError, AnomalyError
+from ampdoctor.findings import CODES, Finding, FixProposal, Report
+from ampdoctor.fixes import diagnose_and_fix, fix, verify
+from ampdoctor.precision.headroom import headroom
+from ampdoctor.trace import trace
+from ampdoctor.watch import load_reproducer, replay, watch
+
 __version__ = "0.1.0"
-
-
-class AmpDoctorError(Exception):
-    """Base class of every error ampdoctor raises on purpose. Messages say what, where and what to do."""
-
-
-from ampdoctor import watch  # noqa: E402  (a callable module: ampdoctor.watch(...) and ampdoctor.watch.replay)
-from ampdoctor.diagnose import diagnose, diagnose_file  # noqa: E402
-from ampdoctor.findings._types import CODES, Finding, FixProposal, Report  # noqa: E402
-from ampdoctor.fixes import diagnose_and_fix, fix, verify  # noqa: E402
-from ampdoctor.precision.headroom import headroom  # noqa: E402
-from ampdoctor.trace import trace  # noqa: E402
-from ampdoctor.watch import AnomalyError  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -36,5 +34,7 @@ __all__ = [
     "fix",
     "verify",
     "watch",
+    "replay",
+    "load_reproducer",
     "AnomalyError",
 ]

@@ -13,7 +13,7 @@ except ImportError as e:  # pragma: no cover - the CLI extra is missing
     raise ImportError("the ampdoctor command line needs click and rich: pip install 'ampdoctor[cli]'") from e
 
 import ampdoctor
-from ampdoctor import AmpDoctorError
+from ampdoctor.errors import AmpDoctorError
 
 PRECISION_CHOICES = ["fp16", "bf16", "fp16-amp", "bf16-amp", "fp8", "fp8-e4m3", "fp8-e5m2", "as-given"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor import AmpDoctorError
+from ampdoctor.errors import DiagnosisError
 from ampdoctor.findings import CODES, Finding, Report, analyse, build_context
 from ampdoctor.findings._context import Context, chain_summary, dtype_name, limits
 from ampdoctor.findings._knowledge import enrich_all
@@ -31,10 +31,6 @@ from ampdoctor.precision import (
 from ampdoctor.trace._lineage import is_nonfinite
 
 log = logging.getLogger(__name__)
-
-
-class DiagnosisError(AmpDoctorError, RuntimeError):
-    """The target run crashed and no rule explains the crash."""
 
 
 def diagnose(

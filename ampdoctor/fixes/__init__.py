@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor import AmpDoctorError
+from ampdoctor.errors import NoFixError
 from ampdoctor.findings import Finding, FixProposal, Report
 from ampdoctor.fixes._actions import FIXES, FixAction, FixContext, FixPlan, build_plan, register_fix
 from ampdoctor.fixes._verify import (
@@ -41,10 +41,6 @@ from ampdoctor.fixes._verify import (
 )
 
 _WHOLE = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-class NoFixError(AmpDoctorError, ValueError):
-    """The report has no fix that can be applied as asked."""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ampdoctor import AmpDoctorError
+from ampdoctor.errors import AmpDoctorError
 
 
 def load_checkpoint(path: str, *, batch_size: int = 2, seq_len: int = 16, seed: int = 0) -> dict[str, Any]:

@@ -13,15 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor import AmpDoctorError
+from ampdoctor.errors import ScenarioError
 from ampdoctor.precision._distributed import copy_limitation
 
 #: Precisions a step can run in. ``None`` runs the step as given (it may cast or autocast itself).
 PRECISIONS: tuple[str | None, ...] = (None, "fp16", "bf16", "fp16-amp", "bf16-amp", "fp8", "fp8-e4m3", "fp8-e5m2")
-
-
-class ScenarioError(AmpDoctorError, ValueError):
-    """The model, batch, loss or scenario file cannot be run as given."""
 
 
 @dataclass(frozen=True)

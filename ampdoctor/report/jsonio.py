@@ -17,15 +17,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ampdoctor import AmpDoctorError
+from ampdoctor.errors import ReportFormatError
 from ampdoctor.findings._types import SCHEMA_VERSION, Report
 
 #: The JSON Schema (draft 2020-12) of the document :func:`render_json` writes.
 SCHEMA_PATH = Path(__file__).with_name("schema.json")
-
-
-class ReportFormatError(AmpDoctorError, ValueError):
-    """A file given to :func:`load_report` is not an ampdoctor report this version can read."""
 
 
 def render_json(report: Report) -> str:

@@ -6,31 +6,18 @@
 ...         w.step(loss)
 >>> w.report().codes()                                                             # doctest: +SKIP
 ['loss-scale-collapse']
->>> ampdoctor.watch.replay("repro/step000003-loss-scale-collapse.pt", model_factory=build_model)  # doctest: +SKIP
+>>> ampdoctor.replay("repro/step000003-loss-scale-collapse.pt", model_factory=build_model)  # doctest: +SKIP
 
-This module is callable: ``ampdoctor.watch(model, ...)`` is :func:`watch`, so ``ampdoctor.watch`` is both the
-context manager and the namespace of ``replay``/``load_reproducer``. The guard learns about each step through
-optimizer step hooks, GradScaler's own state and backward hooks on the first steps; it reads the device back once
-per optimizer step. Reproducers are plain tensor dicts (``torch.load(weights_only=True)``); :func:`replay` re-runs
-one under :func:`ampdoctor.diagnose`.
+``ampdoctor.watch`` is the function :func:`watch` (re-exported with ``replay`` and ``load_reproducer`` at the
+package root); this module, ``ampdoctor.watch`` as an import path, holds the rest. The guard learns about each
+step through optimizer step hooks, GradScaler's own state and backward hooks on the first steps; it reads the
+device back once per optimizer step. Reproducers are plain tensor dicts (``torch.load(weights_only=True)``);
+:func:`replay` re-runs one under :func:`ampdoctor.diagnose`.
 """
 
-import sys
-import types
-from typing import Any
-
-from ampdoctor.watch._guard import KINDS, ON_ANOMALY, AnomalyError, Watch, WatchOptions, watch
-from ampdoctor.watch._reproducer import ReproducerError, is_replaying, load_reproducer, replay
-
-
-class _CallableModule(types.ModuleType):
-    """``ampdoctor.watch(...)`` calls :func:`watch`; attribute access is the module's."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Watch:
-        return watch(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+from ampdoctor.errors import AnomalyError, ReproducerError
+from ampdoctor.watch._guard import KINDS, ON_ANOMALY, Watch, WatchOptions, watch
+from ampdoctor.watch._reproducer import is_replaying, load_reproducer, replay
 
 __all__ = [
     "KINDS",

@@ -42,7 +42,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import nn
 
-from ampdoctor import AmpDoctorError
+from ampdoctor.errors import AnomalyError
 from ampdoctor.findings._types import Report
 from ampdoctor.watch import _reproducer, _rules
 from ampdoctor.watch._rules import Coverage, LostUpdates, StepRecord
@@ -58,20 +58,6 @@ _MAX_PENDING = 64
 _MAX_RECORDS = 4096
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-class AnomalyError(AmpDoctorError):
-    """Raised by a watch with ``on_anomaly="raise"``: what went wrong, at which step, where, what to do.
-
-    ``kind`` is one of ``"nonfinite-loss"``, ``"nonfinite-grads"``, ``"grad-spike"``, ``"loss-scale-collapse"``;
-    ``reproducer`` is the path written (or ``None``).
-    """
-
-    def __init__(self, message: str, *, kind: str, step: int, reproducer: str | None = None) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.step = step
-        self.reproducer = reproducer
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor import AmpDoctorError
+from ampdoctor.errors import ReproducerError
 from ampdoctor.findings._types import Report
 
 log = logging.getLogger(__name__)
@@ -59,10 +59,6 @@ VERSION = 1
 _REQUIRED = ("format", "version", "step", "anomaly", "model_state", "batch", "precision")
 
 _REPLAYING: contextvars.ContextVar[bool] = contextvars.ContextVar("ampdoctor_replaying", default=False)
-
-
-class ReproducerError(AmpDoctorError):
-    """A reproducer cannot be written, read or replayed; the message says which file and what to do."""
 
 
 def is_replaying() -> bool:

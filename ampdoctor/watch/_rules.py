@@ -133,7 +133,7 @@ def collapse_findings(records: Sequence[StepRecord], collapse_steps: int, backof
                 + ("It is still happening at the last step seen." if ongoing else "Training recovered afterwards."))
         fixes = (
             FixProposal("locate the op producing the non-finite gradients: replay the reproducer",
-                        "ampdoctor.watch.replay('reproducer.pt', model_factory=make_model)"),
+                        "ampdoctor.replay('reproducer.pt', model_factory=make_model)"),
             FixProposal("train in bf16 autocast, which needs no loss scaling",
                         "with torch.autocast(device_type, dtype=torch.bfloat16):\n    loss = model(batch)"),
         )
@@ -159,7 +159,7 @@ def nonfinite_findings(records: Sequence[StepRecord], owners: dict[str, str]) ->
             "after the fact; replay the reproducer of this step to find the op where it starts.",
             {"step": r.step, "loss": r.loss, "nonfinite_loss_steps": [x.step for x in bad_loss][:32]},
             (FixProposal("replay the step under full diagnosis",
-                         "ampdoctor.watch.replay('reproducer.pt', model_factory=make_model)"),), r.step))
+                         "ampdoctor.replay('reproducer.pt', model_factory=make_model)"),), r.step))
     bad_grad = [r for r in records if r.nonfinite_params and not r.skipped]
     if bad_grad:
         r = bad_grad[0]
@@ -174,7 +174,7 @@ def nonfinite_findings(records: Sequence[StepRecord], owners: dict[str, str]) ->
             {"step": r.step, "parameters": list(r.nonfinite_params), "owners": list(groups),
              "nonfinite_grad_steps": [x.step for x in bad_grad][:32]},
             (FixProposal("replay the step under full diagnosis",
-                         "ampdoctor.watch.replay('reproducer.pt', model_factory=make_model)"),), r.step))
+                         "ampdoctor.replay('reproducer.pt', model_factory=make_model)"),), r.step))
     return out
 
 

@@ -180,13 +180,13 @@ def _grads_synced_after_cast(rank: int) -> dict[str, bool]:
 def _watched_ddp_loop(rank: int, tmp: str, net: nn.Module, x: torch.Tensor) -> dict[str, Any]:
     """Two fp16-autocast steps of a DDP model under ``ampdoctor.watch``, each rank writing its reproducers."""
     try:
-        import ampdoctor.watch as watch_mod
+        from ampdoctor.watch import watch
     except ImportError as e:  # watch is optional here: report why it was not exercised
         return {"watch_error": f"ImportError: {e}"}
     model = DDP(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     repro = os.path.join(tmp, f"repro-rank{rank}")
-    with watch_mod.watch(model, opt, reproducer_dir=repro, on_anomaly="warn") as w:
+    with watch(model, opt, reproducer_dir=repro, on_anomaly="warn") as w:
         for _ in range(2):
             opt.zero_grad(set_to_none=True)
             with torch.autocast("cpu", dtype=torch.float16):

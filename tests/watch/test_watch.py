@@ -511,8 +511,13 @@ def test_tensorboard_scalars(tmp_path) -> None:
     assert got == [(i, pytest.approx(float(v))) for i, v in enumerate(losses)]
 
 
-def test_ampdoctor_watch_is_both_the_context_manager_and_the_namespace() -> None:
-    import ampdoctor.watch as aw
+def test_ampdoctor_watch_is_the_function_and_its_module_the_namespace() -> None:
+    import importlib
+
+    # ``ampdoctor.watch`` the attribute is the function (it shadows the subpackage, so ``import ampdoctor.watch as
+    # aw`` would bind the function too); the module stays reachable as an import path
+    aw = importlib.import_module("ampdoctor.watch")
+    assert ampdoctor.watch is aw.watch
 
     assert {"watch", "Watch", "WatchOptions", "load_reproducer", "replay", "AnomalyError"} <= set(aw.__all__)
     assert issubclass(aw.AnomalyError, ampdoctor.AmpDoctorError)
@@ -523,4 +528,4 @@ def test_ampdoctor_watch_is_both_the_context_manager_and_the_namespace() -> None
         with torch.no_grad():
             m(batches(1)[0])                   # an evaluation forward between steps is not a step
     assert w.report().summary["steps"] == 2
-    assert ampdoctor.watch.replay is aw.replay and ampdoctor.watch.load_reproducer is aw.load_reproducer
+    assert ampdoctor.replay is aw.replay and ampdoctor.load_reproducer is aw.load_reproducer
