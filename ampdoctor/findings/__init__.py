@@ -11,6 +11,7 @@ from ampdoctor.findings import (  # noqa: F401  (registers the rules)
     _core_rules,
     _fp32_rules,  # must-stay-fp32
     _range_rules,  # noqa: F401  (saturation, underflow, precision-loss)
+    _reference_rules,  # nonfinite-reference
     _training_rules,
 )
 from ampdoctor.findings._context import Context, build_context

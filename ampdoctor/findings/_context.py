@@ -120,6 +120,17 @@ def agrees(t: OpRecord, ref: OpRecord) -> bool:
     return abs(a["norm"] - b["norm"]) <= 0.1 * nr + 1e-6
 
 
+def reference_nonfinite(ctx: Context, r: OpRecord) -> bool:
+    """The aligned fp32 record of ``r`` holds at least as many inf/NaN as ``r`` itself: fp32 makes them too."""
+    ref = ctx.ref(r)
+    if ref is None or not is_nonfinite(ref):
+        return False
+    s, rs = r.stats, ref.stats
+    if "n_nan" not in s or "n_nan" not in rs:
+        return True
+    return rs["n_nan"] + rs["n_posinf"] + rs["n_neginf"] >= s["n_nan"] + s["n_posinf"] + s["n_neginf"]
+
+
 def _deliberate(r: OpRecord) -> bool:
     return any(math.isinf(v) for v in r.scalars)
 
@@ -211,4 +222,4 @@ def chain_summary(ctx: Context, origin: int) -> list[dict[str, Any]]:
 
 
 __all__ = ["Context", "Origin", "agrees", "build_context", "chain_summary", "dtype_name", "feeders", "group_by_owner",
-           "has_nan", "limits", "nan_record", "op_base"]
+           "has_nan", "limits", "nan_record", "op_base", "reference_nonfinite"]

@@ -7,7 +7,16 @@ import math
 import os
 from typing import Any
 
-from ampdoctor.findings._context import Context, Origin, dtype_name, group_by_owner, limits, nan_record, op_base
+from ampdoctor.findings._context import (
+    Context,
+    Origin,
+    dtype_name,
+    group_by_owner,
+    limits,
+    nan_record,
+    op_base,
+    reference_nonfinite,
+)
 from ampdoctor.findings._registry import Candidate, rule
 from ampdoctor.findings._types import Finding, FixProposal
 from ampdoctor.trace import OpRecord
@@ -109,6 +118,8 @@ def overflow(ctx: Context) -> list[Candidate]:
         n_inf = int(s["n_posinf"] + s["n_neginf"])
         if o.deliberate or r.kind != "op" or n_inf == 0 or _out_of_range_constant(ctx, r) is not None:
             continue
+        if reference_nonfinite(ctx, r):
+            continue  # fp32 makes the same inf: nonfinite-reference, not a precision problem
         fmax = limits(r.dtype)[0]
         ref = ctx.ref(r)
         ev = base_evidence(r)
@@ -161,7 +172,7 @@ def nan_from_inf(ctx: Context) -> list[Candidate]:
     out: list[Candidate] = []
     for o in ctx.harmful_origins():
         nan = nan_record(ctx, o.record.index)
-        if nan is None or nan.index == o.record.index:
+        if nan is None or nan.index == o.record.index or reference_nonfinite(ctx, o.record):
             continue
         ins = [ctx.records[i] for i in nan.inputs if i >= 0]
         inf_in = sum(int(x.stats.get("n_posinf", 0) + x.stats.get("n_neginf", 0)) for x in ins)

@@ -31,6 +31,7 @@ CODES: tuple[str, ...] = (
     "loss-scaling-misuse",
     "fp8-scale",
     "nonfinite-input",
+    "nonfinite-reference",
 )
 
 #: Version of the JSON document produced by :meth:`Report.to_dict` (see ``ampdoctor/report/schema.json``).
