@@ -139,9 +139,7 @@ def _summary(ctx: Context, findings: list[Any], elapsed: float) -> dict[str, Any
     harmful = ctx.harmful_origins()
     if harmful:
         s["chain"] = chain_summary(ctx, harmful[0].record.index)
-    from ampdoctor.findings._training_rules import scales_of
-
-    scales = scales_of(ctx)
+    scales = ctx.scales
     if scales:
         s["scales"] = scales
         s["skipped_steps"] = sum(1 for a, b in zip(scales, scales[1:]) if b < a)

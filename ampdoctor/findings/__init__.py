@@ -7,29 +7,36 @@ run, then the code's precedence (``docs/codes.md``).
 
 from __future__ import annotations
 
-from ampdoctor.findings import (  # noqa: F401  (registers the rules)
-    _core_rules,
+from ampdoctor.findings import (  # noqa: F401  (importing a rule module registers its rules)
+    _core_rules,  # overflow, nan-from-inf, masked-row-nan, constant-out-of-range, nonfinite-input, unused-parameters
     _fp32_rules,  # must-stay-fp32
-    _range_rules,  # noqa: F401  (saturation, underflow, precision-loss)
+    _precision_loss,  # precision-loss
     _reference_rules,  # nonfinite-reference
-    _training_rules,
+    _saturation,  # saturation
+    _training_rules,  # low-precision-params, loss-scale-collapse, loss-scaling-misuse, fp8-scale
+    _underflow,  # underflow
 )
 from ampdoctor.findings._context import Context, build_context
-from ampdoctor.findings._registry import CODE_INFO, RULES, Candidate, CodeInfo, codes_markdown, rule
+from ampdoctor.findings._registry import CODE_INFO, RULES, Candidate, CodeInfo, Order, Stage, at, codes_markdown, rule
 from ampdoctor.findings._types import CODES, SCHEMA_VERSION, Finding, FixProposal, Report
 
 _SEVERITY_RANK = {"error": 0, "warning": 1, "info": 2}
+#: precedence of a code without a registered rule (it sorts after every registered one)
+UNREGISTERED_PRECEDENCE = 99
+
+
+def rank_key(c: Candidate) -> tuple[int, Order, int]:
+    """Severity, then when the cause happened (:class:`Order`), then the code's precedence: lower first."""
+    info = CODE_INFO.get(c.finding.code)
+    return (_SEVERITY_RANK[c.finding.severity], c.when, info.precedence if info else UNREGISTERED_PRECEDENCE)
 
 
 def rank(candidates: list[Candidate]) -> list[Finding]:
-    """Most important first: severity, then when the cause happened, then code precedence."""
-    def key(c: Candidate) -> tuple[int, float, int]:
-        info = CODE_INFO.get(c.finding.code)
-        return (_SEVERITY_RANK[c.finding.severity], c.order, info.precedence if info else 99)
+    """Most important first (:func:`rank_key`); one finding per (code, module, op, phase), the first ranked."""
 
     seen: set[tuple[str, str, str, str]] = set()
     out: list[Finding] = []
-    for c in sorted(candidates, key=key):
+    for c in sorted(candidates, key=rank_key):
         f = c.finding
         k = (f.code, f.module, f.op, f.phase)
         if k in seen:
@@ -57,10 +64,14 @@ __all__ = [
     "Context",
     "Finding",
     "FixProposal",
+    "Order",
     "Report",
+    "Stage",
     "analyse",
+    "at",
     "build_context",
     "codes_markdown",
     "rank",
+    "rank_key",
     "rule",
 ]

@@ -13,52 +13,28 @@ or an optimizer-phase value, or when a finite record that absorbed it disagrees 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
-import torch
-
+from ampdoctor.findings import _analysis
+from ampdoctor.findings._common import dtype_name, feeders, group_by_owner, limits, op_base
 from ampdoctor.precision import RunResult, StepSpec
-from ampdoctor.trace import Lineage, OpRecord, dtype_limits
+from ampdoctor.trace import Lineage, OpRecord
 from ampdoctor.trace._lineage import analyse_lineage, has_nan, is_nonfinite
 
-_DTYPES = {str(d).replace("torch.", ""): d for d in (
-    torch.float16, torch.bfloat16, torch.float32, torch.float64,
-    *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)))}
+AlignKey = tuple[Any, ...]
 
 
-def dtype_name(d: torch.dtype | str) -> str:
-    return str(d).replace("torch.", "")
-
-
-def limits(d: torch.dtype | str) -> tuple[float, float, float]:
-    dt = _DTYPES.get(dtype_name(d)) if isinstance(d, str) else d
-    if dt is None:
-        return math.inf, 0.0, 0.0
-    return dtype_limits(dt)
-
-
-def op_base(op: str) -> str:
-    """``"aten.mm.default"`` -> ``"mm"``."""
-    parts = op.split(".")
-    return parts[1] if len(parts) > 1 else op
-
-
-def align_key(r: OpRecord, k: int) -> tuple[Any, ...]:
-    return (r.step, r.phase, r.module, r.op, r.out_pos, r.kind, k)
-
-
-def build_alignment(records: list[OpRecord]) -> dict[tuple[Any, ...], OpRecord]:
-    counts: dict[tuple[Any, ...], int] = {}
-    out: dict[tuple[Any, ...], OpRecord] = {}
+def align_keys(records: list[OpRecord]) -> list[AlignKey]:
+    """The alignment key of every record, in trace order (the records themselves are left untouched)."""
+    counts: dict[AlignKey, int] = {}
+    out: list[AlignKey] = []
     for r in records:
         base = (r.step, r.phase, r.module, r.op, r.out_pos, r.kind)
         k = counts.get(base, 0)
         counts[base] = k + 1
-        key = align_key(r, k)
-        r.align = key
-        out[key] = r
+        out.append((*base, k))
     return out
 
 
@@ -72,11 +48,15 @@ class Origin:
 
 @dataclass
 class Context:
+    """The runs aligned op by op and the classified origins; whole-trace analyses are cached properties."""
+
     spec: StepSpec
     target: RunResult
     reference: RunResult | None
     lineage: Lineage
-    ref_align: dict[tuple[Any, ...], OpRecord]
+    ref_align: dict[AlignKey, OpRecord]
+    target_keys: list[AlignKey] = field(default_factory=list)
+    ref_keys: list[AlignKey] = field(default_factory=list)
     origins: list[Origin] = field(default_factory=list)
     protected: set[int] = field(default_factory=set)
 
@@ -85,13 +65,26 @@ class Context:
         return self.target.trace.records
 
     def ref(self, r: OpRecord) -> OpRecord | None:
-        """The aligned reference record, or ``None`` when the op has no counterpart."""
-        if self.reference is None or not r.align:
+        """The aligned reference record of target record ``r``, or ``None`` when the op has no counterpart."""
+        if self.reference is None or not 0 <= r.index < len(self.target_keys) or self.records[r.index] is not r:
             return None
-        cand = self.ref_align.get(r.align)
+        cand = self.ref_align.get(self.target_keys[r.index])
         if cand is None or cand.shape != r.shape:
             return None
         return cand
+
+    def target_index(self, ref: OpRecord) -> int | None:
+        """The index of the first target record aligned with reference record ``ref`` (``None`` if none is)."""
+        if not 0 <= ref.index < len(self.ref_keys):
+            return None
+        return self._target_by_key.get(self.ref_keys[ref.index])
+
+    @cached_property
+    def _target_by_key(self) -> dict[AlignKey, int]:
+        out: dict[AlignKey, int] = {}
+        for i, k in enumerate(self.target_keys):
+            out.setdefault(k, i)
+        return out
 
     def chain(self, origin: int) -> list[int]:
         return [origin, *self.lineage.descendants.get(origin, [])]
@@ -102,6 +95,50 @@ class Context:
     def describe(self, r: OpRecord) -> dict[str, Any]:
         return {"op": r.op, "module": r.module, "phase": r.phase, "step": r.step, "index": r.index,
                 "node": r.node}
+
+    # whole-trace analyses (``findings/_analysis.py``), each computed at most once per diagnosis
+    @cached_property
+    def saturated(self) -> list[tuple[OpRecord, OpRecord, float, float]]:
+        """Bounded-op outputs at their bound far more often than in the reference (``saturated_records``)."""
+        return _analysis.saturated_records(self)
+
+    @cached_property
+    def saturated_sources(self) -> set[int]:
+        return _analysis.saturated_sources(self)
+
+    @cached_property
+    def flushed(self) -> dict[int, bool]:
+        return _analysis.flushed_records(self)
+
+    @cached_property
+    def underflow_origins(self) -> list[tuple[OpRecord, float, float, dict[str, float]]]:
+        return _analysis.underflow_origins(self)
+
+    @cached_property
+    def relative_errors(self) -> dict[int, float]:
+        return _analysis.relative_errors(self)
+
+    @cached_property
+    def trig_buffer_sources(self) -> list[tuple[OpRecord, OpRecord]]:
+        return _analysis.trig_buffer_sources(self)
+
+    @cached_property
+    def precision_loss_records(self) -> list[tuple[OpRecord, float, float, float, int, float]]:
+        return _analysis.precision_loss_records(self)
+
+    @cached_property
+    def cancellation_nan_origins(self) -> list[tuple[Origin, OpRecord | None]]:
+        return _analysis.cancellation_nan_origins(self)
+
+    @cached_property
+    def reference_lineage(self) -> Lineage | None:
+        """Where the fp32 reference's own non-finite values come from (``None`` without a reference)."""
+        return None if self.reference is None else analyse_lineage(self.reference.trace.records)
+
+    @cached_property
+    def scales(self) -> list[float]:
+        """The loss-scale trajectory (``scales_of``)."""
+        return _analysis.scales_of(self)
 
 
 def agrees(t: OpRecord, ref: OpRecord) -> bool:
@@ -137,11 +174,13 @@ def _deliberate(r: OpRecord) -> bool:
 
 def build_context(spec: StepSpec, target: RunResult, reference: RunResult | None) -> Context:
     lineage = analyse_lineage(target.trace.records)
-    ref_align: dict[tuple[Any, ...], OpRecord] = {}
+    ref_align: dict[AlignKey, OpRecord] = {}
+    ref_keys: list[AlignKey] = []
     if reference is not None:
-        ref_align = build_alignment(reference.trace.records)
-    build_alignment(target.trace.records)
-    ctx = Context(spec, target, reference, lineage, ref_align)
+        ref_records = reference.trace.records
+        ref_keys = align_keys(ref_records)
+        ref_align = dict(zip(ref_keys, ref_records))
+    ctx = Context(spec, target, reference, lineage, ref_align, align_keys(target.trace.records), ref_keys)
     records = target.trace.records
     protected = set(target.trace.marks.get("loss", [])) | set(target.trace.marks.get("output", []))
     ctx.protected = protected
@@ -169,34 +208,6 @@ def build_context(spec: StepSpec, target: RunResult, reference: RunResult | None
     return ctx
 
 
-def group_by_owner(names: Iterable[str], owners: dict[str, str]) -> dict[str, list[str]]:
-    """Parameter names grouped by the module that registers them, in first-seen order."""
-    out: dict[str, list[str]] = {}
-    for n in names:
-        out.setdefault(owners.get(n, n.rpartition(".")[0]), []).append(n)
-    return out
-
-
-def feeders(records: list[OpRecord], record: OpRecord, depth: int, follow: Any = None) -> list[OpRecord]:
-    """Records feeding ``record`` within ``depth`` hops, breadth first, each once. With ``follow``, only records for
-    which ``follow(x)`` is true are returned and walked through."""
-    out: list[OpRecord] = []
-    frontier, seen = list(record.inputs), set()
-    for _ in range(depth):
-        nxt: list[int] = []
-        for i in frontier:
-            if i < 0 or i in seen:
-                continue
-            seen.add(i)
-            x = records[i]
-            if follow is not None and not follow(x):
-                continue
-            out.append(x)
-            nxt.extend(x.inputs)
-        frontier = nxt
-    return out
-
-
 def nan_record(ctx: Context, origin: int) -> OpRecord | None:
     i = ctx.lineage.first_nan.get(origin)
     return None if i is None else ctx.records[i]
@@ -221,5 +232,5 @@ def chain_summary(ctx: Context, origin: int) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["Context", "Origin", "agrees", "build_context", "chain_summary", "dtype_name", "feeders", "group_by_owner",
-           "has_nan", "limits", "nan_record", "op_base", "reference_nonfinite"]
+__all__ = ["AlignKey", "Context", "Origin", "agrees", "align_keys", "build_context", "chain_summary", "dtype_name",
+           "feeders", "group_by_owner", "has_nan", "limits", "nan_record", "op_base", "reference_nonfinite"]

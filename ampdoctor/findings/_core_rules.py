@@ -4,56 +4,26 @@ nonfinite-input; and parameter coverage: unused-parameters."""
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
-from ampdoctor.findings._context import (
-    Context,
-    Origin,
+from ampdoctor.findings._common import (
+    base_evidence,
+    bf16_fix,
     dtype_name,
+    fmt,
     group_by_owner,
+    keep_fp32_fix,
     limits,
-    nan_record,
     op_base,
-    reference_nonfinite,
+    src_text,
+    where,
 )
-from ampdoctor.findings._registry import Candidate, rule
+from ampdoctor.findings._context import Context, nan_record, reference_nonfinite
+from ampdoctor.findings._registry import RUN_END, SETUP_CRASH, SETUP_CRASHED_COVERAGE, SETUP_INPUT, Candidate, rule
 from ampdoctor.findings._types import Finding, FixProposal
 from ampdoctor.trace import OpRecord
 
 SOFTMAX_OPS = {"_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax"}
-LOW = {"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
-#: the order in which whole runs are read: setup facts first, then ops in execution order
-LATE = 1e12
-
-
-def fmt(x: float) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "nan"
-    if isinstance(x, float) and math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return f"{x:.3g}"
-
-
-def where(r: OpRecord) -> str:
-    return f"{r.op} in {r.module or '<root>'} ({r.phase}, step {r.step})"
-
-
-def src_text(r: OpRecord) -> str:
-    if not r.src:
-        return ""
-    path, line = r.src
-    return f"{os.path.basename(path)}:{line}"
-
-
-def base_evidence(r: OpRecord) -> dict[str, Any]:
-    ev: dict[str, Any] = {"dtype": dtype_name(r.dtype), "numel": int(r.stats.get("numel", 0)),
-                          "input_dtypes": list(r.input_dtypes)}
-    if r.node:
-        ev["autograd_node"] = r.node
-    if r.src:
-        ev["source"] = f"{os.path.basename(r.src[0])}:{r.src[1]}"
-    return ev
 
 
 def _out_of_range_constant(ctx: Context, r: OpRecord) -> float | None:
@@ -73,33 +43,13 @@ def _out_of_range_constant(ctx: Context, r: OpRecord) -> float | None:
 
 def _loss_scale_at(ctx: Context, step: int) -> float | None:
     """The loss scale a step's backward ran with: the run's GradScaler before that step's update."""
-    from ampdoctor.findings._training_rules import scales_of
-
     scaler = ctx.spec.scaler
     if scaler is None or not scaler.is_enabled():
         return None
     initial = float(scaler.get_scale()) if getattr(scaler, "_scale", None) is not None else float(
         scaler._init_scale)
-    before = [initial, *scales_of(ctx)]
+    before = [initial, *ctx.scales]
     return before[step] if step < len(before) else None
-
-
-def keep_fp32_fix(module: str) -> FixProposal:
-    return FixProposal(
-        title=f"run `{module}` in float32 (autocast disabled inside it, inputs upcast)",
-        snippet=f"ampdoctor.fix(model, report, which='keep_fp32')  # or wrap {module}.forward in "
-                "torch.autocast(device_type, enabled=False) and call it on x.float()",
-        id="keep_fp32", params={"modules": [module]})
-
-
-def bf16_fix(precision: str | None) -> FixProposal:
-    """bf16 autocast with fp32 weights: the exponent range of fp32 without losing small updates, which a
-    whole-model bf16 cast would (its 8-bit mantissa rounds AdamW's updates away)."""
-    del precision  # the same advice from fp16, fp16-amp or an as-given run
-    return FixProposal(
-        title="run in bfloat16 autocast with fp32 weights (same exponent range as fp32: max 3.39e38)",
-        snippet="with torch.autocast(device_type, dtype=torch.bfloat16):  # no GradScaler needed\n    loss = ...",
-        id="switch_precision", params={"precision": "bf16-amp"})
 
 
 @rule("overflow", severity="error", precedence=40,
@@ -257,7 +207,7 @@ def constant_out_of_range(ctx: Context) -> list[Candidate]:
         out.append(Candidate(Finding(
             "constant-out-of-range", "error", err["module"], err["op"], err["phase"],
             f"constant does not fit {dt} in {err['module'] or '<root>'}", expl, ev,
-            (_finfo_fix(err["module"]),), err["step"]), -1.0))
+            (_finfo_fix(err["module"]),), err["step"]), SETUP_CRASH))
     for o in ctx.harmful_origins():
         r = o.record
         if r.kind == "input" and r.stats.get("numel") == 1 and (r.stats["n_posinf"] + r.stats["n_neginf"]) > 0:
@@ -327,7 +277,7 @@ def nonfinite_input(ctx: Context) -> list[Candidate]:
                           "assert torch.isfinite(batch['x']).all(), 'non-finite input'")
         out.append(Candidate(Finding(
             "nonfinite-input", "error" if o.harmful else "warning", module, "", phase,  # type: ignore[arg-type]
-            title, expl, ev, (fix,), r.step), -2.0 if o.harmful else r.index))
+            title, expl, ev, (fix,), r.step), SETUP_INPUT if o.harmful else r.index))
     return out
 
 
@@ -373,7 +323,7 @@ def unused_parameters(ctx: Context) -> list[Candidate]:
             out.append(Candidate(Finding(
                 "unused-parameters", severity, owner, "", "backward",  # type: ignore[arg-type]
                 f"{owner or '<root>'}: {len(params)} trainable parameter(s) never get a gradient", expl, ev, fixes),
-                -3.0 if crashed else LATE))
+                SETUP_CRASHED_COVERAGE if crashed else RUN_END))
     missing = [p.name for p in cov if not p.in_optimizer and not p.grad_none]
     if missing:
         for owner, params in sorted(group_by_owner(missing, ctx.target.owners).items()):
@@ -384,8 +334,6 @@ def unused_parameters(ctx: Context) -> list[Candidate]:
                 f"{owner or '<root>'}: trainable parameters missing from the optimizer", expl,
                 {"parameters": params, "count": len(params)},
                 (FixProposal("add them to the optimizer or freeze them",
-                             "optimizer.add_param_group({'params': [...]})"),)), LATE))
+                             "optimizer.add_param_group({'params': [...]})"),)), RUN_END))
     return out
 
-
-__all__ = ["Origin", "SOFTMAX_OPS", "LOW", "fmt", "where", "base_evidence", "keep_fp32_fix", "bf16_fix"]

@@ -15,19 +15,23 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ampdoctor.findings._context import Context, dtype_name, feeders, limits, op_base
-from ampdoctor.findings._core_rules import base_evidence, bf16_fix, fmt, keep_fp32_fix, where
-from ampdoctor.findings._range_rules import (
+from ampdoctor.findings._common import (
     ALIAS_OPS,
     CASTS,
-    cancellation_nan_origins,
+    base_evidence,
+    bf16_fix,
+    dtype_name,
+    feeders,
+    fmt,
     is_low,
-    precision_loss_records,
-    relative_errors,
-    trig_buffer_sources,
+    keep_fp32_fix,
+    limits,
+    op_base,
     unit_roundoff,
+    where,
 )
-from ampdoctor.findings._registry import Candidate, rule
+from ampdoctor.findings._context import Context
+from ampdoctor.findings._registry import RUN_END, Candidate, rule
 from ampdoctor.findings._types import Finding, FixProposal
 from ampdoctor.trace import OpRecord
 
@@ -122,12 +126,12 @@ def _declared(ctx: Context) -> list[Candidate]:
         if r.kind == "op" and not o.deliberate and s.get("n_posinf", 0) + s.get("n_neginf", 0) > 0 and is_low(r.dtype):
             causes.append((r, f"overflows {dtype_name(r.dtype)} (max {fmt(limits(r.dtype)[0])}) and the inf "
                               f"{o.reasons[0] if o.reasons else 'spreads'}"))
-    for o, cancel in cancellation_nan_origins(ctx):
+    for o, cancel in ctx.cancellation_nan_origins:
         at = cancel or o.record
         causes.append((at, "loses its leading digits to cancellation and the NaN that follows "
                            + (o.reasons[0] if o.reasons else "spreads")))
-    err = relative_errors(ctx)
-    for r, e, inh, *_ in precision_loss_records(ctx):
+    err = ctx.relative_errors
+    for r, e, inh, *_ in ctx.precision_loss_records:
         causes.append((r, f"deviates {e - inh:.1%} from fp32 beyond what its inputs carried (error {e:.1%})"))
     reported: set[str] = set()
     for r, what in causes:
@@ -204,7 +208,7 @@ def _declared(ctx: Context) -> list[Candidate]:
                 f"parameter {name} is declared float32 but is {dt}",
                 f"The model declares {name} float32 (_keep_in_fp32_modules = {entries}) but it is held in {dt}.",
                 {"parameter": name, "dtype": dt, "declared_fp32": entries},
-                _declared_fixes(owner or name, ctx.spec.precision, dt)), 1e12))
+                _declared_fixes(owner or name, ctx.spec.precision, dt)), RUN_END))
     return out
 
 
@@ -226,12 +230,12 @@ def _buffer_target_dtype(ctx: Context, b: Any) -> str:
 def _rope(ctx: Context) -> list[Candidate]:
     """Low-precision floating buffers feeding sin/cos (rotary frequencies)."""
     recs = ctx.records
-    err = relative_errors(ctx)
+    err = ctx.relative_errors
     buffers = _buffer_names(ctx)
     out: list[Candidate] = []
     seen_leaf: set[int] = set()
     seen_names: set[str] = set()
-    for r, leaf in trig_buffer_sources(ctx):
+    for r, leaf in ctx.trig_buffer_sources:
         if leaf.index in seen_leaf:
             continue
         seen_leaf.add(leaf.index)
@@ -298,7 +302,7 @@ def _rope(ctx: Context) -> list[Candidate]:
             (FixProposal("keep the frequency buffer in float32 after casting the model",
                          f"model.get_buffer('{name}').data = model.get_buffer('{name}').data.float()  "
                          "# better: recompute it in fp32", id="keep_fp32_buffers", params={"buffers": [name]}),)),
-            1e12))
+            RUN_END))
     return out
 
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ampdoctor.findings._context import Context, dtype_name, op_base
-from ampdoctor.findings._core_rules import base_evidence, fmt, where
+from ampdoctor.findings._common import base_evidence, dtype_name, fmt, op_base, where
+from ampdoctor.findings._context import Context
 from ampdoctor.findings._registry import Candidate, rule
 from ampdoctor.findings._types import Finding, FixProposal
 from ampdoctor.trace import OpRecord
-from ampdoctor.trace._lineage import analyse_lineage
 
 
 def _reaches(records: list[OpRecord], chain: list[int], protected: set[int]) -> str | None:
@@ -23,12 +22,10 @@ def _reaches(records: list[OpRecord], chain: list[int], protected: set[int]) -> 
     return None
 
 
-def _target_index(ctx: Context, ref: OpRecord) -> float:
+def _target_index(ctx: Context, ref: OpRecord) -> int:
     """Where the fp32 origin sits in the target run (for ranking); its own index when nothing aligns."""
-    for r in ctx.records:
-        if r.align == ref.align:
-            return float(r.index)
-    return float(ref.index)
+    i = ctx.target_index(ref)
+    return ref.index if i is None else i
 
 
 def _input_ranges(records: list[OpRecord], r: OpRecord) -> list[dict[str, Any]]:
@@ -56,7 +53,9 @@ def nonfinite_reference(ctx: Context) -> list[Candidate]:
     recs = ref_run.trace.records
     if not recs:
         return []
-    lin = analyse_lineage(recs)
+    lin = ctx.reference_lineage
+    if lin is None:
+        return []
     protected = set(ref_run.trace.marks.get("loss", [])) | set(ref_run.trace.marks.get("output", []))
     for o in lin.origins:
         r = recs[o]

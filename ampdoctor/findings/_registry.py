@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from ampdoctor.findings._types import CODES, Finding
@@ -29,12 +30,48 @@ class CodeInfo:
     doc: str
 
 
+class Stage(IntEnum):
+    """When a cause acts, coarsely: facts about the setup come before the traced ops, whole-run facts after them."""
+
+    SETUP = 0
+    TRACE = 1
+    RUN = 2
+
+
+@dataclass(frozen=True, order=True)
+class Order:
+    """Where a cause sits in the run, for ranking: ``stage`` first, then ``position`` within it (a record index in
+    :attr:`Stage.TRACE`, the fixed rank of a setup or whole-run fact otherwise)."""
+
+    stage: Stage
+    position: int
+
+
+def at(index: int) -> Order:
+    """The order of a cause at trace record ``index``."""
+    return Order(Stage.TRACE, index)
+
+
+#: named ranks of the causes that are not one traced op (lower comes first)
+SETUP_CRASHED_COVERAGE = Order(Stage.SETUP, 0)   # the run crashed on parameters the optimizer does not hold
+SETUP_INPUT = Order(Stage.SETUP, 1)              # the batch itself is non-finite and that reaches the loss
+SETUP_CRASH = Order(Stage.SETUP, 2)              # a crash before any traced op can explain it (finfo constant)
+RUN_FP8_SCALES = Order(Stage.RUN, 0)             # fp8 scaling of the emulated layers (whole run)
+RUN_PARAMS = Order(Stage.RUN, 1)                 # parameters stored in low precision (whole run)
+RUN_END = Order(Stage.RUN, 2)                    # facts read at the end of the run (coverage, declarations)
+
+
 @dataclass(frozen=True)
 class Candidate:
-    """A finding plus the trace position of the cause it explains (for ranking)."""
+    """A finding plus where the cause it explains sits in the run (for ranking): an :class:`Order` or, for a cause
+    at one traced op, its record index."""
 
     finding: Finding
-    order: float
+    order: Order | int
+
+    @property
+    def when(self) -> Order:
+        return self.order if isinstance(self.order, Order) else at(self.order)
 
 
 RuleFn = Callable[["Context"], list[Candidate]]

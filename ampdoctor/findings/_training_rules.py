@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ampdoctor.findings._context import Context, dtype_name, limits, op_base
-from ampdoctor.findings._core_rules import LATE, base_evidence, bf16_fix, fmt, where
-from ampdoctor.findings._registry import Candidate, rule
+from ampdoctor.findings._common import base_evidence, bf16_fix, dtype_name, fmt, limits, op_base, where
+from ampdoctor.findings._context import Context
+from ampdoctor.findings._registry import RUN_END, RUN_FP8_SCALES, RUN_PARAMS, SETUP_CRASH, Candidate, Order, rule
 from ampdoctor.findings._types import Finding, FixProposal
 from ampdoctor.trace import OpRecord
 
@@ -92,7 +92,7 @@ def low_precision_params(ctx: Context) -> list[Candidate]:
                     + ". Training silently stalls.")
             out.append(Candidate(Finding("low-precision-params", "error", owner, "", "optimizer",
                                          f"{owner or '<root>'}: {dt} weight updates are lost to rounding", expl,
-                                         ev, (_master_fix(),), step), LATE - 1))
+                                         ev, (_master_fix(),), step), RUN_PARAMS))
     return out
 
 
@@ -103,12 +103,6 @@ def _round_to(x: float, dt: str) -> float:
     return float(torch.tensor(x, dtype=torch.float32).to(d).float())
 
 
-def scales_of(ctx: Context) -> list[float]:
-    """Loss-scale trajectory: from the run's own scaler, or read from GradScaler's update op in the trace."""
-    traced = [r.stats["absmax"] for r in ctx.records if op_base(r.op) == "_amp_update_scale_" and r.stats]
-    return traced or list(ctx.target.scales)
-
-
 @rule("loss-scale-collapse", severity="error", precedence=35,
       summary="the dynamic loss scale keeps falling and optimizer steps are skipped")
 def loss_scale_collapse(ctx: Context) -> list[Candidate]:
@@ -116,7 +110,7 @@ def loss_scale_collapse(ctx: Context) -> list[Candidate]:
     produces non-finite gradients on every step, the scale falls 65536 -> 64 in 10 steps and on towards 0,
     the weights never change, and nothing is printed. The finding names the op that makes the non-finite
     gradients (the scaler is only the symptom)."""
-    scales = scales_of(ctx)
+    scales = ctx.scales
     if len(scales) < 3:
         return []
     drops = sum(1 for a, b in zip(scales, scales[1:]) if b < a)
@@ -131,7 +125,8 @@ def loss_scale_collapse(ctx: Context) -> list[Candidate]:
     if grad_origin is None and ctx.harmful_origins():
         grad_origin = ctx.harmful_origins()[0].record
     ev: dict[str, Any] = {"scales": scales, "skipped_steps": skipped, "steps": len(scales)}
-    module, op, phase, order = "", "", "backward", LATE
+    module, op, phase = "", "", "backward"
+    order: Order | int = RUN_END
     expl = (f"The loss scale fell from {fmt(scales[0])} to {fmt(scales[-1])} over {len(scales)} steps "
             f"({drops} reductions): each reduction is a skipped optimizer step with inf/NaN gradients.")
     if grad_origin is not None:
@@ -166,7 +161,7 @@ def loss_scaling_misuse(ctx: Context) -> list[Candidate]:
                 "fp32 and let autocast run the ops in fp16.")
         out.append(Candidate(Finding("loss-scaling-misuse", "error", owner, "", "optimizer",
                                      "GradScaler used with fp16 parameters", expl, ev, (_master_fix(),),
-                                     ctx.target.exc_step or 0), -1.0))
+                                     ctx.target.exc_step or 0), SETUP_CRASH))
     # clipping before unscale_: a norm over gradients in the optimizer phase before the unscale op of a step
     recs = ctx.records
     for step in sorted({r.step for r in recs}):
@@ -278,5 +273,5 @@ def _emulated_fp8(ctx: Context) -> list[Candidate]:
             out.append(Candidate(Finding("fp8-scale", severity, module, "aten.linear.default",  # type: ignore[arg-type]
                                          phase_of[role], f"fp8 {role} of {module}: " + parts[0],  # type: ignore[arg-type]
                                          expl, ev, fixes),
-                                 LATE - 2))
+                                 RUN_FP8_SCALES))
     return out

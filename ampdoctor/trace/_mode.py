@@ -73,7 +73,6 @@ class OpRecord:
         self.stats: dict[str, float] = {}
         self.input_dtypes: tuple[str, ...] = ()
         self.out_pos = 0
-        self.align: tuple[Any, ...] = ()
 
     def __repr__(self) -> str:
         return f"OpRecord(#{self.index} {self.op} module={self.module!r} {self.phase} {self.dtype} {self.shape})"

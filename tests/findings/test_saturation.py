@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 import ampdoctor
-from ampdoctor.findings._range_rules import saturation_threshold, spacing_below_one
+from ampdoctor.findings._common import spacing_below_one
+from ampdoctor.findings._saturation import saturation_threshold
 
 FP16_TANH_THRESHOLD = 0.5 * math.log(2**13 - 1)  # tanh(x) >= 1 - 2**-12 rounds to 1 in fp16
 

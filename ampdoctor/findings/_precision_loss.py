@@ -1,0 +1,153 @@
+"""The precision-loss rule: an op's finite result deviates from fp32 beyond what rounding explains.
+
+The per-op errors and tolerances are ``ctx.relative_errors`` / ``ctx.precision_loss_records``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ampdoctor.findings._analysis import output_deviation
+from ampdoctor.findings._common import (
+    CANCEL_OPS,
+    base_evidence,
+    dtype_name,
+    fmt,
+    keep_fp32_fix,
+    limits,
+    op_base,
+    unit_roundoff,
+    where,
+)
+from ampdoctor.findings._context import Context
+from ampdoctor.findings._registry import Candidate, rule
+from ampdoctor.findings._types import Finding, FixProposal
+from ampdoctor.trace import OpRecord
+
+#: relative error above which precision-loss is a warning (below it: info)
+WARN_REL = 0.05
+
+
+@rule("precision-loss", severity="warning", precedence=50,
+      summary="no inf/NaN, but an op's result deviates from fp32 beyond what rounding explains")
+def precision_loss(ctx: Context) -> list[Candidate]:
+    """An op's finite result deviates from the fp32 reference by more than rounding to the dtype explains.
+
+    Tolerance: the unit roundoff u of the lowest precision the op touches (fp16 2**-11, bf16 2**-8, e4m3 2**-4)
+    and the number K of terms each output sums (matmul: the inner dimension, conv: C_in * kernel size, softmax /
+    norms: the row length, element-wise: 1). Summing K rounded terms gives a relative error of about sqrt(K) * u
+    typically (random rounding errors add in quadrature; K * u is the worst case), so an op is flagged when its
+    *own* error exceeds ``min(16 * sqrt(K) * u, 0.1)``: fp16 element-wise 0.0078, fp16 matmul with K=1024 0.1
+    (cap), bf16 element-wise 0.0625. The observed error is the relative error of the tensor's L2 norm or of its
+    |max| against the reference (a lower bound of the element-wise error). A layer's *own* error is what it
+    adds to the error its inputs already carried: ``error(output) - max(error(inputs))`` -- a matmul that
+    receives a 3% error and returns 3.1% is not the culprit; a subtraction that receives 0.2% and returns 80%
+    (catastrophic cancellation: ``x - mean(x)`` of values with a large common offset, ``E[x**2] - E[x]**2``)
+    is. Everything computed from a flagged op inherits its error and is not flagged again; only the first step is
+    compared (after an optimizer step the two runs hold different weights). Severity ``warning`` at a 5% own error
+    or more; smaller own errors are ``info`` and reported only when the first step's loss (or output) deviates by
+    more than 1% and no inf/NaN explains it. At most five ops, the largest own errors. A NaN made from finite
+    inputs where the reference is finite (``sqrt`` of a variance that cancellation made negative) is an ``error``
+    reported at the cancelling op."""
+    out: list[Candidate] = []
+    for o, cancel in ctx.cancellation_nan_origins:
+        r = o.record
+        at = cancel or r
+        err = ctx.relative_errors
+        ev = base_evidence(at)
+        ref = ctx.ref(r)
+        ev.update({"nan_op": ctx.describe(r), "n_nan": int(r.stats["n_nan"]),
+                   "ref_absmax": ref.stats["absmax"] if ref is not None else None})
+        txt = ""
+        if cancel is not None:
+            cref = ctx.ref(cancel)
+            ins = [ctx.records[i] for i in cancel.inputs if i >= 0]
+            in_max = max((x.stats.get("absmax", 0.0) for x in ins), default=0.0)
+            ev.update({"relative_error": err.get(cancel.index), "operand_absmax": in_max,
+                       "result_absmax": cancel.stats["absmax"],
+                       "ref_result_absmax": cref.stats["absmax"] if cref is not None else None,
+                       "unit_roundoff": unit_roundoff(cancel.dtype)})
+            if cref is not None and cref.stats["absmax"] > 0 and in_max > 0:
+                ev["digits_cancelled"] = math.log2(in_max / cref.stats["absmax"])
+            txt = (f"{where(cancel)} subtracts operands of |max| {fmt(in_max)} whose true difference is only "
+                   f"|max| {fmt(ev['ref_result_absmax'] or 0.0)}: in {dtype_name(cancel.dtype)} (u = "
+                   f"{fmt(unit_roundoff(cancel.dtype))}) the rounding error of the operands "
+                   f"({fmt(in_max * 2 * unit_roundoff(cancel.dtype))}) "
+                   f"exceeds the result, which comes out wrong by {fmt(err.get(cancel.index, 0.0))}x its size and "
+                   "can change sign. ")
+        expl = (f"{txt}{where(r)} then returns {int(r.stats['n_nan'])} NaN from finite inputs while the fp32 "
+                f"reference is finite (|max| {fmt(ev['ref_absmax'] or 0.0)}): a value that must be positive "
+                "(a variance) became negative or zero. The NaN " + (o.reasons[0] if o.reasons else "spreads") + ".")
+        fixes = [
+            FixProposal("compute the statistic in a cancellation-free form and in float32",
+                        "var = x.float().var(-1, unbiased=False, keepdim=True)  # two-pass, not E[x^2]-E[x]^2"),
+        ]
+        if at.module:
+            fixes.append(keep_fp32_fix(at.module))
+        out.append(Candidate(Finding(
+            "precision-loss", "error", at.module, at.op, at.phase,  # type: ignore[arg-type]
+            f"catastrophic cancellation in {at.module or '<root>'} turns into NaN", expl, ev, tuple(fixes), at.step),
+            at.index))
+    flagged = ctx.precision_loss_records
+    # one finding per (module, op, phase), the largest own error; at most 5, the largest
+    best: dict[tuple[str, str, str], tuple[OpRecord, float, float, float, int, float]] = {}
+    for item in flagged:
+        r, e, inh = item[0], item[1], item[2]
+        key = (r.module, r.op, r.phase)
+        if key not in best or e - inh > best[key][1] - best[key][2]:
+            best[key] = item
+    top = sorted(best.values(), key=lambda x: -(x[1] - x[2]))[:5]
+    deviation = output_deviation(ctx)
+    if deviation is None or deviation <= 0.01 or ctx.harmful_origins():
+        top = [x for x in top if x[1] - x[2] >= WARN_REL]  # small own errors the result does not show: not reported
+    for r, e, inh, tol, k, u in sorted(top, key=lambda x: x[0].index):
+        ref = ctx.ref(r)
+        assert ref is not None
+        own = e - inh
+        severity = "warning" if own >= WARN_REL else "info"
+        dt = dtype_name(r.dtype)
+        ev = base_evidence(r)
+        ev.update({"relative_error": e, "inherited_error": inh, "own_error": own, "tolerance": tol,
+                   "reduction_length": k, "unit_roundoff": u, "norm": r.stats["norm"], "ref_norm": ref.stats["norm"],
+                   "absmax": r.stats["absmax"], "ref_absmax": ref.stats["absmax"]})
+        ins = [ctx.records[i] for i in r.inputs if i >= 0]
+        in_max = max((x.stats.get("absmax", 0.0) for x in ins), default=0.0)
+        sub_in = sum(int(x.stats.get("n_subnormal", 0)) for x in ins)
+        if sub_in:
+            ev["subnormal_inputs"] = sub_in
+        cancelling = op_base(r.op) in CANCEL_OPS and in_max > 0 and ref.stats["absmax"] > 0 and (
+            in_max / ref.stats["absmax"] > 1 / (16 * u))
+        if cancelling:
+            ev["operand_absmax"] = in_max
+            ev["digits_cancelled"] = math.log2(in_max / ref.stats["absmax"])
+        expl = (f"{where(r)} deviates from the fp32 reference by {own:.2%} beyond the {inh:.2%} its inputs carried "
+                f"(norm {fmt(r.stats['norm'])} vs {fmt(ref.stats['norm'])}, |max| {fmt(r.stats['absmax'])} vs "
+                f"{fmt(ref.stats['absmax'])}); rounding to {dt} explains about sqrt(K) * u = "
+                f"{math.sqrt(k) * u:.2g} (K = {k}, u = {fmt(u)}; flagged above {tol:.2g}).")
+        if cancelling:
+            expl += (f" Catastrophic cancellation: operands of |max| {fmt(in_max)} give a result of |max| "
+                     f"{fmt(ref.stats['absmax'])}, so ~{ev['digits_cancelled']:.0f} of the leading bits cancel and "
+                     f"{dt}'s rounding of the operands dominates the result.")
+        if sub_in:
+            expl += (f" Its inputs hold {sub_in} subnormal value(s) (below {fmt(limits(r.dtype)[1])}, where {dt} keeps "
+                     "fewer significant bits)" + ("; loss scaling lifts backward values out of that range."
+                                                  if r.phase == "backward" else "."))
+        fixes = [keep_fp32_fix(r.module)] if r.module else []
+        if sub_in and r.phase == "backward":
+            fixes.insert(0, FixProposal(
+                "use dynamic loss scaling so the gradients stay in the normal range",
+                "scaler = torch.amp.GradScaler()\nscaler.scale(loss).backward()", id="grad_scaler", params={}))
+        if cancelling:
+            fixes.append(FixProposal("remove the large common offset before the low-precision part (center or "
+                                     "normalize the inputs in float32)", "x = (x.float() - x.float().mean(-1, "
+                                     "keepdim=True)).to(x.dtype)"))
+        if dt == "bfloat16":
+            fixes.append(FixProposal("use float16 with loss scaling for this part: 3 more mantissa bits "
+                                     "(u = 2**-11 instead of 2**-8)", id="switch_precision",
+                                     params={"precision": "fp16-amp"}))
+        out.append(Candidate(Finding(
+            "precision-loss", severity, r.module, r.op, r.phase,  # type: ignore[arg-type]
+            f"{op_base(r.op)} loses {own:.1%} accuracy in {dt} in {r.module or '<root>'}", expl, ev, tuple(fixes),
+            r.step), r.index))
+    return out
+

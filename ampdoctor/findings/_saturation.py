@@ -1,0 +1,146 @@
+"""The saturation rule: a bounded activation (tanh, sigmoid, softmax) rounds to its bound in low precision.
+
+The comparison with the fp32 reference is ``ctx.saturated`` (``findings/_analysis.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ampdoctor.findings._common import (
+    BOUNDED,
+    base_evidence,
+    dtype_name,
+    fmt,
+    keep_fp32_fix,
+    op_base,
+    spacing_below_one,
+    where,
+)
+from ampdoctor.findings._context import Context
+from ampdoctor.findings._graph import (
+    alias_closure,
+    ancestors,
+    dead_gradients,
+    zero_fraction,
+)
+from ampdoctor.findings._registry import Candidate, rule
+from ampdoctor.findings._types import Finding, FixProposal
+from ampdoctor.trace import OpRecord
+
+
+def saturation_threshold(op: str, dtype: torch.dtype | str) -> float:
+    """Smallest |x| whose ``op(x)`` rounds to the bound in ``dtype`` (fp16 tanh: 4.5055, bf16 tanh: 3.466)."""
+    s = spacing_below_one(dtype)
+    if op == "tanh":  # tanh(x) >= 1 - s/2 rounds to 1
+        return 0.5 * math.log((2 - s / 2) / (s / 2))
+    if op == "sigmoid":  # sigmoid(x) >= 1 - s/2 rounds to 1
+        return math.log(2 / s - 1)
+    return math.log(2 / s)  # softmax: the others' total below s/2 of the max
+
+
+
+def _backward_of(ctx: Context, r: OpRecord) -> OpRecord | None:
+    """The backward op of bounded record ``r`` (``tanh_backward`` reading r's saved output)."""
+    want = BOUNDED[op_base(r.op)][0]
+    aliases = alias_closure(ctx, [r.index])
+    for b in ctx.records[r.index + 1:]:
+        if b.phase == "backward" and b.step == r.step and op_base(b.op) == want and any(
+                i in aliases for i in b.inputs):
+            return b
+    return None
+
+
+@rule("saturation", severity="warning", precedence=45,
+      summary="tanh/sigmoid/softmax outputs round to their bound in low precision, so their gradient is exactly 0")
+def saturation(ctx: Context) -> list[Candidate]:
+    """A bounded activation returns exactly its bound in the target dtype where the fp32 reference does not.
+    Near the bound the dtype's spacing decides: fp16 holds no value between 1 - 2**-11 and 1, so
+    ``tanh(x)`` for |x| >= 4.5055 is exactly ±1 (bf16: |x| >= 3.466); ``sigmoid(x)`` is exactly 1 for
+    x >= 8.318 in fp16; a softmax row is exactly one-hot once the runner-up trails by ~8.3. The derivative
+    ``1 - y**2`` (``y(1 - y)``, ``y(g - sum(g y))``) is then exactly 0 -- and loss scaling cannot help because
+    ``0 * scale = 0``. Severity ``error`` when parameters that feed the op receive exactly-zero gradients in the
+    target but not in the reference (the layers below stop learning), ``warning`` otherwise. Evidence: fraction at
+    the bound in target vs reference, the input |max|, the threshold, the dtype's spacing below 1, the gradient
+    zero fraction of the upstream parameters."""
+    out: list[Candidate] = []
+    for r, ref, ft, fr in ctx.saturated:
+        base = op_base(r.op)
+        recs = ctx.records
+        inp = next((recs[i] for i in r.inputs if i >= 0), None)
+        ref_in = ctx.ref(inp) if inp is not None else None
+        thr = saturation_threshold(base, r.dtype)
+        ev = base_evidence(r)
+        ev.update({
+            "fraction_at_limit": ft, "ref_fraction_at_limit": fr, "n_at_limit": int(r.stats["n_at_limit"]),
+            "ref_n_at_limit": int(ref.stats["n_at_limit"]), "bound": BOUNDED[base][1],
+            "spacing_below_1": spacing_below_one(r.dtype), "saturation_threshold": thr,
+        })
+        if inp is not None:
+            ev["input_absmax"] = inp.stats.get("absmax")
+            ev["input_module"] = inp.module
+        if ref_in is not None:
+            ev["ref_input_absmax"] = ref_in.stats.get("absmax")
+        bwd = _backward_of(ctx, r)
+        bwd_zero = None
+        if bwd is not None:
+            bref = ctx.ref(bwd)
+            n = max(bwd.stats.get("numel", 0), 1)
+            bwd_zero = bwd.stats.get("n_zero", 0) / n
+            ev["grad_zero_fraction"] = bwd_zero
+            ev["backward_op"] = bwd.op
+            if bref is not None:
+                ev["ref_grad_zero_fraction"] = bref.stats.get("n_zero", 0) / n
+        upstream = {recs[i].name for i in ancestors(ctx, r.index) if recs[i].kind == "param" and recs[i].name}
+        dead = dead_gradients(ctx, r.step, upstream) if upstream else {}
+        zt, zr = zero_fraction(ctx, r.step, upstream) if upstream else (None, None)
+        if zt is not None:
+            ev["upstream_grad_zero_fraction"] = zt
+            ev["ref_upstream_grad_zero_fraction"] = zr
+            ev["upstream_parameters"] = len(upstream)
+        if dead:
+            ev["dead_parameters"] = sorted(dead)[:20]
+            ev["n_dead_parameters"] = len(dead)
+        if not dead and (bwd_zero is None or bwd_zero < 0.5) and ft < 0.5:
+            continue  # a few saturated entries whose gradient still flows elsewhere (GELU-tanh's x path)
+        severity = "error" if dead else "warning"
+        dt = dtype_name(r.dtype)
+        in_txt = ""
+        if inp is not None:
+            in_txt = (f" Its input (from {inp.module or '<root>'}) reaches |x| = {fmt(inp.stats['absmax'])}"
+                      + (f" (reference {fmt(ref_in.stats['absmax'])})" if ref_in is not None else "")
+                      + f"; in {dt} every |x| >= {thr:.4g} gives exactly {BOUNDED[base][1]}.")
+        expl = (f"{where(r)} returns exactly {BOUNDED[base][1]} for {ft:.1%} of its outputs in {dt} "
+                f"(fp32 reference: {fr:.1%}): {dt} has no value between 1 - {fmt(spacing_below_one(r.dtype))} "
+                f"and 1.{in_txt}")
+        if bwd is not None and bwd_zero is not None:
+            expl += (f" Its backward {op_base(bwd.op)} is exactly 0 for {bwd_zero:.1%} of the elements; loss scaling "
+                     "cannot bring a 0 back.")
+        if dead:
+            expl += (f" {len(dead)} of the {len(upstream)} parameters feeding it get an all-zero gradient in {dt} and "
+                     "not in fp32: everything below this layer stops learning, with no inf/NaN and no skipped step.")
+        elif zt is not None and zr is not None:
+            expl += f" Upstream gradients exactly zero: {zt:.1%} (reference {zr:.1%})."
+        producer = inp.module if inp is not None and inp.module and inp.module != r.module else ""
+        mods = [m for m in (producer, r.module) if m]
+        fixes: list[FixProposal] = []
+        if mods:
+            f = keep_fp32_fix(r.module or producer)
+            fixes.append(FixProposal(
+                f"compute {' and '.join(f'`{m}`' for m in mods)} in float32 (autocast disabled, input upcast): "
+                "fp32 resolves 1 - y**2 down to ~1e-7", f.snippet, f.id, {"modules": mods}))
+        fixes.append(FixProposal(
+            "keep the pre-activations out of the flat region: normalize the input (LayerNorm before the activation), "
+            "lower the learning rate / apply weight decay to the bias that drifted",
+            "h = torch.tanh(layer_norm(dense(x)))"))
+        fixes.append(FixProposal(
+            "bfloat16 does not help here: its spacing below 1 is 2**-8, coarser than fp16's 2**-11"))
+        out.append(Candidate(Finding(
+            "saturation", severity, r.module, r.op, r.phase,  # type: ignore[arg-type]
+            f"{base} saturates to {BOUNDED[base][1]} in {dt} in {r.module or '<root>'}"
+            + (": gradients below it are exactly zero" if dead else ""),
+            expl, ev, tuple(fixes), r.step), r.index))
+    return out
+

@@ -1,0 +1,134 @@
+"""The underflow rule: values nonzero in fp32 become exactly 0 in the target dtype.
+
+The origins (first ops that flush values their inputs still held) are ``ctx.underflow_origins``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ampdoctor.findings._common import (
+    base_evidence,
+    bf16_fix,
+    dtype_name,
+    fmt,
+    is_low,
+    keep_fp32_fix,
+    limits,
+    op_base,
+    where,
+)
+from ampdoctor.findings._context import Context
+from ampdoctor.findings._graph import (
+    alias_closure,
+    ancestors,
+    dead_gradients,
+    descendants,
+    gradient_params,
+)
+from ampdoctor.findings._registry import Candidate, rule
+from ampdoctor.findings._types import Finding, FixProposal
+from ampdoctor.trace import OpRecord
+
+
+def _small_constants(r: OpRecord) -> list[float]:
+    floor = limits(r.dtype)[2]
+    return [v for v in r.scalars if v != 0 and math.isfinite(v) and abs(v) < floor / 2]
+
+
+@rule("underflow", severity="warning", precedence=42,
+      summary="values nonzero in fp32 become exactly 0 in the target dtype (below its smallest subnormal)")
+def underflow(ctx: Context) -> list[Candidate]:
+    """More than half of the values that are nonzero in the fp32 reference are exactly 0 in the target: they fell
+    below the dtype's smallest subnormal (fp16 2**-24 = 5.96e-8; bf16 9.2e-41; e4m3 2**-9; e5m2 2**-16).
+    Typical: fp16 backward without loss scaling (d loss / d out = 1e-6 / N), Adam's ``grad**2`` in fp16. The origin
+    is the first op that flushes them from inputs that still held them; values merely rounded to the subnormal
+    floor are evidence, not the origin. An inf/NaN made by dividing by such zeros (``m / (sqrt(0) + 0)``, 0/0)
+    has this underflow as its root cause. Severity ``error`` when it zeroes the gradient of parameters (all-zero
+    in the target, not in the reference), the loss, or feeds an inf/NaN that reaches the loss, a gradient or an
+    update; ``warning`` otherwise."""
+    out: list[Candidate] = []
+    origins = ctx.underflow_origins
+    if not origins:
+        return out
+    recs = ctx.records
+    harmful_anc: dict[int, set[int]] = {o.record.index: ancestors(ctx, o.record.index)
+                                        for o in ctx.harmful_origins()}
+    loss_idx = set(ctx.target.trace.marks.get("loss", []))
+    seen_phases: set[str] = set()
+    for r, frac, nonzero, cmp in origins:
+        if r.phase in seen_phases:
+            continue  # one origin per phase, the earliest: later ones are usually the same cause
+        seen_phases.add(r.phase)
+        floor = limits(r.dtype if is_low(r.dtype) else "float16")[2]
+        dt = dtype_name(r.dtype)
+        ev = base_evidence(r)
+        ev.update({"flushed_fraction": frac, "n_flushed": int(round(frac * nonzero)), "numel": int(r.stats["numel"]),
+                   "ref_absmax": cmp["absmax"], "ref_min_nonzero": cmp["min_nonzero"], "format_min_subnormal": floor,
+                   "format_min_normal": limits(r.dtype)[1]})
+        # evidence: inputs already pushed onto the subnormal floor
+        sub_in = [recs[i] for i in r.inputs if i >= 0 and recs[i].stats.get("n_subnormal", 0) > 0]
+        if sub_in:
+            x = sub_in[0]
+            ev["subnormal_input"] = {"op": x.op, "module": x.module, "n_subnormal": int(x.stats["n_subnormal"]),
+                                     "numel": int(x.stats["numel"]), "absmax": x.stats["absmax"]}
+        # consequences
+        dead = dead_gradients(ctx, r.step, gradient_params(ctx, descendants(ctx, r.index))) if r.phase in (
+            "forward", "backward") else {}
+        feeds = sorted(o for o, anc in harmful_anc.items() if r.index in anc)
+        down = alias_closure(ctx, [r.index])
+        loss_zero = any(i in loss_idx for i in down) or (
+            ctx.target.losses and ctx.reference is not None and ctx.reference.losses
+            and ctx.target.losses[0] == 0.0 and ctx.reference.losses[0] not in (0.0, None))
+        consts = [c for i in range(r.index, min(r.index + 40, len(recs))) for c in _small_constants(recs[i])
+                  if recs[i].module == r.module and recs[i].step == r.step]
+        if dead:
+            ev["dead_parameters"] = sorted(dead)[:20]
+            ev["n_dead_parameters"] = len(dead)
+        if feeds:
+            ev["feeds_nonfinite"] = [ctx.describe(recs[i]) for i in feeds[:3]]
+        if consts:
+            ev["constants_below_floor"] = sorted(set(consts))
+        severity = "error" if dead or feeds or loss_zero else "warning"
+        expl = (f"{where(r)} returns exactly 0 for {frac:.1%} of the {int(nonzero)} values that are nonzero in fp32: "
+                f"the reference values reach only |max| {fmt(cmp['absmax'])} (smallest nonzero "
+                f"{fmt(cmp['min_nonzero'])}), below {dt}'s smallest subnormal {fmt(floor)}"
+                + (f" (smallest normal {fmt(limits(r.dtype)[1])})" if is_low(r.dtype) else "") + ".")
+        if sub_in:
+            x = sub_in[0]
+            expl += (f" Its input from {x.op} in {x.module or '<root>'} was already on the subnormal floor "
+                     f"({int(x.stats['n_subnormal'])} of {int(x.stats['numel'])} values subnormal, |max| "
+                     f"{fmt(x.stats['absmax'])}).")
+        if consts:
+            expl += (f" The constant(s) {', '.join(f'{c:g}' for c in sorted(set(consts)))} used here round to 0 in "
+                     f"{dt}.")
+        if dead:
+            expl += (f" {len(dead)} parameter(s) get an all-zero gradient in {dt} and not in fp32 "
+                     f"({', '.join(sorted(dead)[:4])}{', ...' if len(dead) > 4 else ''}): they stop learning.")
+        if feeds:
+            f0 = recs[feeds[0]]
+            expl += f" These zeros feed the inf/NaN made by {where(f0)} (a division by zero)."
+        if loss_zero:
+            expl += " The loss itself is 0."
+        fixes: list[FixProposal] = []
+        if r.phase in ("backward",):
+            fixes.append(FixProposal(
+                "use dynamic loss scaling: the scaled gradients stay above the subnormal floor",
+                "scaler = torch.amp.GradScaler()\nscaler.scale(loss).backward()\nscaler.step(optimizer)\n"
+                "scaler.update()", id="grad_scaler", params={}))
+        if r.phase == "optimizer":
+            fixes.append(FixProposal(
+                "keep fp32 master weights and optimizer state (the update math then runs in fp32)",
+                "model.float()  # + torch.autocast for the forward", id="fp32_master", params={}))
+        if r.module and r.phase == "forward":
+            fixes.append(keep_fp32_fix(r.module))
+        fixes.append(bf16_fix(ctx.spec.precision))
+        fixes[-1] = FixProposal(
+            "use bfloat16 (smallest normal 1.2e-38: the same exponent range as fp32)", fixes[-1].snippet,
+            fixes[-1].id, fixes[-1].params)
+        out.append(Candidate(Finding(
+            "underflow", severity, r.module, r.op, r.phase,  # type: ignore[arg-type]
+            f"{op_base(r.op)} flushes {frac:.0%} of its values to 0 in {dt} in {r.module or '<root>'}"
+            + (f" ({r.phase})" if r.phase != "forward" else ""), expl, ev, tuple(fixes), r.step), r.index))
+    return out
+
