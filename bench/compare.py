@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import glob
 import io
 import json
@@ -46,18 +45,14 @@ import _models  # noqa: E402
 import trace_overhead  # noqa: E402
 
 import ampdoctor  # noqa: E402
-from ampdoctor.precision import ScenarioError, load_scenario_module, spec_from_module  # noqa: E402
-from ampdoctor.precision._runner import (  # noqa: E402
-    LOW_DTYPES,
-    _bind_train_step,
-    _cast_batch,
-    _device_of,
-    _fp8_context,
-    _precision_context,
-    call_model,
-    copy_objects,
-    default_loss,
+from ampdoctor.precision import (  # noqa: E402
+    Observer,
+    ScenarioError,
+    StepLoop,
+    load_scenario_module,
+    prepare,
     saved_rng,
+    spec_from_module,
 )
 from ampdoctor.trace import iter_tensors  # noqa: E402
 from ampdoctor.trace._modules import ModuleAttribution  # noqa: E402
@@ -106,54 +101,25 @@ def _short(e: BaseException) -> str:
 
 # -- running a case's step the way its precision says ------------------------------------------------------------
 class Prepared:
-    """A copy of the case's objects prepared for its precision (like ampdoctor's target run, minus the trace)."""
+    """A copy of the case's objects prepared for its precision: ampdoctor's own target run, minus the trace."""
 
     def __init__(self, spec: Any, policy: str) -> None:
-        self.spec = spec
-        self.model, self.opt, self.scaler = copy_objects(spec)
-        self.batch = copy.deepcopy(spec.batch)
-        self.device = _device_of(self.model)
-        p = spec.precision
-        if p in LOW_DTYPES:
-            self.model.to(LOW_DTYPES[p])
-            self.batch = _cast_batch(self.batch, LOW_DTYPES[p])
-        self.amp = _precision_context(p, self.device, policy)
-        self.policy = policy
-        self.step_kw = _bind_train_step(spec.train_step, self.opt, self.scaler) if spec.train_step else {}
-        self.losses: list[torch.Tensor] = []
+        self.spec, self.policy = spec, policy
+        self.prep = prepare(spec, reference=False)
+        self.model = self.prep.model
 
     def run(self, before_backward: Callable[[torch.Tensor], None] | None = None) -> None:
         """All ``spec.steps`` steps; exceptions propagate (the tools raise to report)."""
-        spec, model, opt, scaler = self.spec, self.model, self.opt, self.scaler
-        with _fp8_context(spec.precision, model):
-            for _ in range(spec.steps):
-                if spec.train_step is not None:
-                    with self.amp:
-                        loss = spec.train_step(model, self.batch, **self.step_kw)
-                    if isinstance(loss, torch.Tensor):
-                        self.losses.append(loss.detach())
-                    continue
-                if opt is not None:
-                    opt.zero_grad(set_to_none=True)
-                else:
-                    model.zero_grad(set_to_none=True)
-                with self.amp:
-                    out = call_model(model, self.batch)
-                    loss = spec.loss_fn(out, self.batch) if spec.loss_fn is not None else default_loss(out)
-                if loss is None or not loss.requires_grad:
-                    continue
-                self.losses.append(loss.detach())
-                if before_backward is not None:
-                    before_backward(loss)
-                if scaler is not None:
-                    scaler.scale(loss).backward()
-                    if opt is not None:
-                        scaler.step(opt)
-                        scaler.update()
-                else:
-                    loss.backward()
-                    if opt is not None:
-                        opt.step()
+        observers = [_BeforeBackward(before_backward)] if before_backward is not None else []
+        StepLoop(self.spec, self.prep, policy=self.policy, observers=observers, raise_errors=True).run(self.spec.steps)
+
+
+class _BeforeBackward(Observer):
+    def __init__(self, fn: Callable[[torch.Tensor], None]) -> None:
+        self.fn = fn
+
+    def before_backward(self, loop: Any, step: int, loss: torch.Tensor) -> None:
+        self.fn(loss)
 
 
 def _fresh_spec(case: dict[str, Any]) -> tuple[Any, Any]:

@@ -28,10 +28,9 @@ from torch import nn
 from ampdoctor.errors import NoFixError
 from ampdoctor.findings import Finding, FixProposal, Report
 from ampdoctor.fixes._actions import FIXES, FixAction, FixContext, FixPlan, build_plan, register_fix
+from ampdoctor.fixes._tolerance import TOLERANCES, Tolerance
 from ampdoctor.fixes._verify import (
     DEFAULT_STEPS,
-    TOLERANCES,
-    Tolerance,
     Verification,
     apply_plan,
     before_after_table,

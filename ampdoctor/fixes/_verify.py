@@ -9,8 +9,6 @@ their derivation: ``docs/fixes.md`` and :data:`TOLERANCES`.
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import logging
 import math
 import os
@@ -18,323 +16,27 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch import nn
 
 from ampdoctor.findings import Finding, FixProposal, Report
 from ampdoctor.findings._types import _jsonable
-from ampdoctor.fixes._actions import FIXES, FixContext, FixPlan, _ClampHook, build_plan, map_tensors, scopes_of
-from ampdoctor.precision import ScenarioError, StepSpec, load_scenario_module, spec_from_module
-from ampdoctor.precision._runner import (
-    LOW_DTYPES,
-    _bind_train_step,
-    _cast_batch,
-    _device_of,
-    _fp8_context,
-    _NoAutocast,
-    _precision_context,
-    call_model,
-    copy_objects,
-    default_loss,
-    saved_rng,
+from ampdoctor.fixes._actions import FIXES, FixContext, FixPlan, build_plan
+from ampdoctor.fixes._curve import Curve, run_curve
+from ampdoctor.fixes._tolerance import (
+    PRECISION_DTYPE,
+    ROUND_DTYPES,
+    TOLERANCES,
+    compute_dtype,
+    curve_err,
+    grad_errors,
+    output_err,
+    rel_err,
 )
-from ampdoctor.trace import iter_tensors
+from ampdoctor.precision import ScenarioError, StepSpec, load_scenario_module, spec_from_module
 
 log = logging.getLogger(__name__)
 
 #: Training steps of a verification curve.
 DEFAULT_STEPS = 20
-#: Relative size of the first SGD update when a scenario has no optimizer of its own (see ``_sgd_lr``).
-SGD_STEP = 1e-3
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# tolerances
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """How far a correct run computing in ``dtype`` may be from fp32: ``floor * u`` or ``FACTOR`` times the noise
-    of this very computation, whichever is larger (``docs/fixes.md`` has the measurements).
-
-    ``u`` is the dtype's unit roundoff; the floors are multiples of it (``loss``/``curve``/``output`` relative
-    errors, ``grad`` the norm-wise relative gradient error); ``lost`` is the largest fraction of significant
-    gradient elements that may be exactly zero where fp32's are not.
-    """
-
-    dtype: str
-    u: float
-    loss: float
-    curve: float
-    grad: float
-    output: float
-    lost: float = 1e-2
-
-    def scaled(self, noise: dict[str, float | None]) -> dict[str, Any]:
-        """The bounds for one step: each floor, raised to ``FACTOR`` x the measured noise where that is larger."""
-        out: dict[str, Any] = {"dtype": self.dtype, "u": self.u, "lost": self.lost, "factor": FACTOR}
-        for key in ("loss", "curve", "grad", "output"):
-            floor = getattr(self, key) * self.u
-            n = noise.get(key)
-            out[key] = max(floor, FACTOR * n) if n is not None and math.isfinite(n) else floor
-        out["noise"] = dict(noise)
-        return out
-
-
-#: Multiple of a step's own rounding noise (the fp32 run started from weights and inputs rounded to the dtype)
-#: that a correct run may reach: twice the largest ratio measured on healthy models (3.9, docs/fixes.md).
-FACTOR = 8.0
-#: Floors in units of u. Largest errors measured on 8 healthy models (docs/fixes.md): first-step loss 1.84u,
-#: 20-step AMP curve 0.58u, gradients 11.7u, forward outputs 1.38u.
-TOLERANCES: dict[str, Tolerance] = {
-    "float16": Tolerance("float16", 2.0 ** -11, loss=8, curve=8, grad=16, output=8),
-    "bfloat16": Tolerance("bfloat16", 2.0 ** -8, loss=8, curve=8, grad=16, output=8),
-    "float8_e4m3fn": Tolerance("float8_e4m3fn", 2.0 ** -4, loss=8, curve=8, grad=16, output=8),
-    "float8_e5m2": Tolerance("float8_e5m2", 2.0 ** -3, loss=8, curve=8, grad=16, output=8),
-    "float32": Tolerance("float32", 2.0 ** -24, loss=64, curve=256, grad=512, output=64),
-}
-_ROUND_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-_PRECISION_DTYPE = {"fp16": "float16", "fp16-amp": "float16", "bf16": "bfloat16", "bf16-amp": "bfloat16",
-                    "fp8": "float8_e4m3fn", "fp8-e4m3": "float8_e4m3fn", "fp8-e5m2": "float8_e5m2"}
-_LOWEST_FIRST = ("float8_e5m2", "float8_e4m3fn", "bfloat16", "float16")
-
-
-def compute_dtype(precision: str | None, report: Report | None) -> str:
-    """The dtype a step computes in: its precision's, else the coarsest one its traced ops used (else float32)."""
-    if precision in _PRECISION_DTYPE:
-        return _PRECISION_DTYPE[precision]
-    seen = {str(layer.get("dtype", "")) for layer in (report.layers if report is not None else ())}
-    return next((d for d in _LOWEST_FIRST if d in seen), "float32")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the K-step curve (untraced)
-
-
-@dataclass
-class Curve:
-    """Losses of K steps of one run, and what step 0 left behind (gradients or outputs)."""
-
-    losses: list[float | None] = field(default_factory=list)
-    grads: dict[str, torch.Tensor | None] | None = None
-    outputs: list[torch.Tensor] | None = None
-    forward_only: bool = False
-    trained: bool = False
-    exc: str = ""
-    lr: float | None = None
-    optimizer: str = ""
-    clamped: int = 0
-
-    @property
-    def finite_steps(self) -> int:
-        n = 0
-        for v in self.losses:
-            if v is None or not math.isfinite(v):
-                break
-            n += 1
-        return n
-
-
-def _prepare(spec: StepSpec, reference: bool, round_to: torch.dtype | None = None) -> tuple[nn.Module, Any, Any, Any]:
-    """Copies of the step's objects cast as the runner casts them, with the spec's transforms applied.
-
-    ``round_to`` (reference only): round the floating parameters, buffers and batch tensors to that dtype and back,
-    so the fp32 run starts from exactly what a run in that dtype starts from.
-    """
-    model, opt, scaler = copy_objects(spec)
-    batch = copy.deepcopy(spec.batch)
-    if reference:
-        if any(t.is_floating_point() and t.dtype != torch.float32
-               for t in list(model.parameters()) + list(model.buffers())):
-            model.to(torch.float32)
-            if opt is not None:
-                for st in opt.state.values():
-                    for k, v in list(st.items()):
-                        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0:
-                            st[k] = v.to(torch.float32)
-        batch = _cast_batch(batch, torch.float32, only_low=True)
-        if round_to is not None:
-            with torch.no_grad():
-                for t in list(model.parameters()) + list(model.buffers()):
-                    if t.is_floating_point():
-                        t.copy_(t.to(round_to).to(t.dtype))
-            batch = map_tensors(batch, lambda t: t.to(round_to).to(t.dtype) if t.is_floating_point() else t)
-    elif spec.precision in LOW_DTYPES:
-        model.to(LOW_DTYPES[spec.precision])
-        batch = _cast_batch(batch, LOW_DTYPES[spec.precision])
-    for transform in spec.transforms:
-        transform(model, opt, scaler)
-    return model, opt, scaler, batch
-
-
-def _sgd_lr(model: nn.Module, loss: float, evaluate: Any) -> float:
-    """A learning rate for a step that has no optimizer: backtracking (Armijo) on the fp32 reference.
-
-    Starts from the rate whose update moves the weights by ``SGD_STEP`` of their norm and divides it by 4 until
-    the update lowers the loss by at least half of what the gradient predicts (at most 12 tries). ``evaluate()``
-    runs the forward on the current weights and returns the loss (the caller's RNG state is restored around it).
-    Host syncs: one per try.
-    """
-    ps = [p for p in model.parameters() if p.grad is not None]
-    grads = [p.grad for p in ps if p.grad is not None]
-    if not ps or not math.isfinite(loss):
-        return SGD_STEP
-    w = float(torch.stack([p.detach().float().norm() for p in ps]).norm())
-    g2 = float(torch.stack([g.detach().float().norm() for g in grads]).norm() ** 2)
-    if not (math.isfinite(w) and math.isfinite(g2)) or g2 == 0.0 or w == 0.0:
-        return SGD_STEP
-    lr = SGD_STEP * w / math.sqrt(g2)
-    saved = [p.detach().clone() for p in ps]
-    try:
-        for _ in range(12):
-            with torch.no_grad():
-                for p, p0, g in zip(ps, saved, grads):
-                    p.copy_(p0 - lr * g.to(p0.dtype))
-            trial = evaluate()
-            if trial is not None and math.isfinite(trial) and trial <= loss - 0.5 * lr * g2:
-                break
-            lr /= 4.0
-    finally:
-        with torch.no_grad():
-            for p, p0 in zip(ps, saved):
-                p.copy_(p0)
-    return lr
-
-
-def run_curve(spec: StepSpec, *, reference: bool, steps: int, policy: str = "cuda", lr: float | None = None,
-              round_to: torch.dtype | None = None) -> Curve:
-    """Run ``steps`` steps of ``spec`` on copies (fp32 reference or target precision) without tracing.
-
-    With no optimizer and no ``train_step``, plain SGD is added so the curve trains; its learning rate is ``lr``
-    or, when ``None``, found by backtracking on this run (:func:`_sgd_lr`; pass the reference's to the others).
-    ``round_to`` (reference only) starts from weights and inputs rounded to that dtype. A forward-only step runs
-    once. Step 0's gradients are kept, unscaled. Host syncs: one per step (the loss).
-    """
-    model, opt, scaler, batch = _prepare(spec, reference, round_to)
-    device = _device_of(model)
-    precision = None if reference else spec.precision
-    amp = contextlib.nullcontext() if reference else _precision_context(precision, device, policy)
-    no_autocast = _NoAutocast(device.type) if reference else contextlib.nullcontext()
-    fp8 = contextlib.nullcontext() if reference else _fp8_context(precision, model)
-    kw = _bind_train_step(spec.train_step, opt, scaler) if spec.train_step is not None else {}
-    curve = Curve(trained=True, optimizer=type(opt).__name__ if opt is not None else "")
-    names = {id(p): n for n, p in model.named_parameters()}
-    try:
-        with saved_rng(), no_autocast, fp8:
-            for step in range(steps):
-                if spec.train_step is not None:
-                    with amp:
-                        loss = spec.train_step(model, batch, **kw)
-                    curve.losses.append(_value(loss))
-                    continue
-                if opt is not None:
-                    opt.zero_grad(set_to_none=True)
-                else:
-                    model.zero_grad(set_to_none=True)
-                with amp:
-                    out = call_model(model, batch)
-                    loss = spec.loss_fn(out, batch) if spec.loss_fn is not None else default_loss(out)
-                if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
-                    curve.forward_only, curve.trained = True, False
-                    curve.outputs = [t.detach().float().clone() for t in iter_tensors(out) if t.is_floating_point()]
-                    curve.losses.append(_value(loss))
-                    break
-                curve.losses.append(_value(loss))
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-                if opt is None:
-                    if lr is None:
-
-                        def evaluate() -> float | None:
-                            with saved_rng(), torch.no_grad(), amp:
-                                o = call_model(model, batch)
-                                return _value(spec.loss_fn(o, batch) if spec.loss_fn is not None else default_loss(o))
-
-                        lr = _sgd_lr(model, curve.losses[-1] if curve.losses[-1] is not None else math.nan, evaluate)
-                    curve.lr = lr
-                    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=curve.lr)
-                    curve.optimizer = f"SGD(lr={curve.lr:.3g}) (added: the step has no optimizer)"
-                if step == 0:
-                    if scaler is not None and scaler.is_enabled():
-                        scaler.unscale_(opt)
-                    curve.grads = {names.get(id(p), ""): None if p.grad is None else p.grad.detach().float().clone()
-                                   for p in model.parameters() if p.requires_grad}
-                if scaler is not None:
-                    scaler.step(opt)
-                    scaler.update()
-                else:
-                    opt.step()
-    except Exception as e:  # a crash is a result: the steps after it count as not finite
-        curve.exc = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        log.info("verification run (%s) raised: %s", "reference" if reference else "target", curve.exc)
-    curve.clamped = sum(h.clamped for h in scopes_of(model, _ClampHook))
-    return curve
-
-
-def _value(loss: Any) -> float | None:
-    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
-        return float(loss.detach().float())
-    return None
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# comparisons
-
-
-def rel_err(x: float | None, ref: float | None) -> float | None:
-    """``|x - ref| / |ref|``; inf when ``x`` is not finite, None when there is nothing to compare."""
-    if x is None or ref is None or not math.isfinite(ref):
-        return None
-    if not math.isfinite(x):
-        return math.inf
-    return abs(x - ref) / max(abs(ref), 1e-30)
-
-
-def curve_err(xs: list[float | None], refs: list[float | None]) -> float | None:
-    errs = [e for e in (rel_err(x, r) for x, r in zip(xs, refs)) if e is not None]
-    if len(xs) < len(refs):
-        return math.inf
-    return max(errs) if errs else None
-
-
-def grad_errors(got: dict[str, torch.Tensor | None] | None,
-                ref: dict[str, torch.Tensor | None] | None) -> tuple[float | None, float | None]:
-    """Global relative error ``||g - g_ref|| / ||g_ref||`` and the fraction of significant reference gradient
-    elements (``|g_ref| > 1e-3 * rms`` of their parameter's gradient) that are exactly 0 (or missing) in ``got``."""
-    if got is None or ref is None:
-        return None, None
-    num, den = [], []
-    lost, sig = [], []
-    for name, r in ref.items():
-        if r is None:
-            continue
-        g = got.get(name)
-        if g is None or g.shape != r.shape:
-            g = torch.zeros_like(r)
-        num.append((g - r).norm() ** 2)
-        den.append(r.norm() ** 2)
-        rms = r.pow(2).mean().sqrt()
-        significant = r.abs() > 1e-3 * rms
-        sig.append(significant.sum())
-        lost.append((significant & (g == 0)).sum())
-    if not den:
-        return None, None
-    n, d = float(torch.stack(num).sum()), float(torch.stack(den).sum())
-    s, lo = float(torch.stack(sig).sum()), float(torch.stack(lost).sum())
-    err = math.sqrt(n / d) if d > 0 else (0.0 if n == 0 else math.inf)
-    if not math.isfinite(n):
-        err = math.inf
-    return err, (lo / s if s > 0 else 0.0)
-
-
-def output_err(got: list[torch.Tensor] | None, ref: list[torch.Tensor] | None) -> float | None:
-    if got is None or ref is None or not ref:
-        return None
-    if len(got) != len(ref) or any(a.shape != b.shape for a, b in zip(got, ref)):
-        return math.inf
-    n = float(sum(((a - b).norm() ** 2 for a, b in zip(got, ref)), torch.tensor(0.0)))
-    d = float(sum((b.norm() ** 2 for b in ref), torch.tensor(0.0)))
-    if not math.isfinite(n):
-        return math.inf
-    return math.sqrt(n / d) if d > 0 else (0.0 if n == 0 else math.inf)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -437,7 +139,7 @@ class Session:
 
     def noise(self, spec: StepSpec, key: str, dtype: str, lr: float | None) -> Curve | None:
         """The fp32 run of ``spec`` started from weights and inputs rounded to ``dtype`` (cached per key)."""
-        rd = _ROUND_DTYPES.get(dtype)
+        rd = ROUND_DTYPES.get(dtype)
         if rd is None:
             return None
         if (key, dtype) not in self._noise:
@@ -535,7 +237,7 @@ def _verify_plan(session: Session, plan: FixPlan) -> Verification:
         reasons.append(f"the fixed step still has error findings: {', '.join(remaining)}")
     requested = plan.spec_changes.get("precision")
     old = compute_dtype(spec.precision, session.report)
-    if requested in _PRECISION_DTYPE and fixed_report is not None and _PRECISION_DTYPE[requested] != old \
+    if requested in PRECISION_DTYPE and fixed_report is not None and PRECISION_DTYPE[requested] != old \
             and old != "float32":
         forward = {str(layer.get("dtype", "")) for layer in fixed_report.layers if layer.get("phase") == "forward"}
         if old in forward:
@@ -803,6 +505,5 @@ def _num(x: Any) -> Any:
     return x
 
 
-__all__ = ["DEFAULT_STEPS", "TOLERANCES", "Curve", "Session", "Tolerance", "Verification", "apply_plan",
-           "before_after_table", "compute_dtype", "diagnose_and_fix", "merged_params", "resolve_spec", "run_curve",
-           "verify"]
+__all__ = ["DEFAULT_STEPS", "Session", "Verification", "apply_plan", "before_after_table", "diagnose_and_fix",
+           "merged_params", "resolve_spec", "verify"]

@@ -1,12 +1,14 @@
 """Running a step in a target precision next to an fp32 reference, on copies of the caller's objects.
 
-``run(spec, reference=False)`` runs the target precision, ``run(spec, reference=True)`` the float32
-reference (autocast disabled, also inside the user's own ``torch.autocast`` blocks; explicit casts in user
-code still cast). Precisions: see :data:`PRECISIONS`.
+One step runner for every caller (:mod:`ampdoctor.precision._step`): :func:`prepare` makes the copies,
+:class:`StepLoop` runs N steps under the precision's context with optional :class:`Observer` s
+(:func:`run_steps` does both). ``run(spec, reference=False)`` is the diagnosis's traced target run,
+``run(spec, reference=True)`` the float32 reference (autocast disabled, also inside the user's own
+``torch.autocast`` blocks; explicit casts in user code still cast). Precisions: see :data:`PRECISIONS`.
 """
 
 from ampdoctor.precision._cuda_policy import POLICIES, policy_for, policy_table_markdown
-from ampdoctor.precision._runner import ParamState, RunResult, call_model, default_loss, run, saved_rng
+from ampdoctor.precision._runner import ParamState, RunResult, run
 from ampdoctor.precision._spec import (
     PRECISIONS,
     ScenarioError,
@@ -14,6 +16,19 @@ from ampdoctor.precision._spec import (
     load_scenario_module,
     make_spec,
     spec_from_module,
+)
+from ampdoctor.precision._step import (
+    GradSnapshot,
+    Observer,
+    ParamSnapshot,
+    Prepared,
+    StepLoop,
+    StepResult,
+    call_model,
+    default_loss,
+    prepare,
+    run_steps,
+    saved_rng,
 )
 from ampdoctor.precision.emulation import cuda_autocast
 from ampdoctor.precision.fp8 import Fp8Autocast, Fp8Recipe, Fp8Stats, Fp8TensorStats, fp8_autocast
@@ -33,7 +48,15 @@ __all__ = [
     "policy_for",
     "policy_table_markdown",
     "PRECISIONS",
+    "GradSnapshot",
+    "Observer",
+    "ParamSnapshot",
     "ParamState",
+    "Prepared",
+    "StepLoop",
+    "StepResult",
+    "prepare",
+    "run_steps",
     "RunResult",
     "ScenarioError",
     "StepSpec",

@@ -16,8 +16,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ampdoctor.precision._runner import run, saved_rng
+from ampdoctor.precision._runner import run
 from ampdoctor.precision._spec import StepSpec, make_spec
+from ampdoctor.precision._step import saved_rng
 from ampdoctor.trace._stats import HEADROOM_FORMATS
 
 FORMATS: tuple[str, ...] = tuple(name for name, _, _ in HEADROOM_FORMATS)

@@ -13,14 +13,14 @@ from torch.overrides import _get_current_function_mode_stack
 
 from ampdoctor.findings import Finding, FixProposal, Report
 from ampdoctor.fixes import FIXES, FixContext, NoFixError, best_fix, build_plan, fix, register_fix
-from ampdoctor.fixes._actions import (
+from ampdoctor.fixes._scope import (
     FP16_CLAMP,
+    ClampHook,
     ClampOutputs,
     ExcludeParameters,
     Fp32Master,
     KeepFp32,
     ScopedMode,
-    _ClampHook,
     map_tensors,
     op_names,
     scopes_of,
@@ -305,7 +305,7 @@ def test_clamp_saturates_at_fp16_max_minus_1000_and_counts() -> None:
     assert FP16_CLAMP == 64504.0
     assert y.tolist() == [64504.0, -64504.0, 3.0]
     model(torch.ones(3))
-    assert [h.clamped for h in scopes_of(model, _ClampHook)] == [4]
+    assert [h.clamped for h in scopes_of(model, ClampHook)] == [4]
 
 
 def test_exclude_unused_leaves_parameters_out_of_the_optimizer() -> None:

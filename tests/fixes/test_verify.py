@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ampdoctor.findings import FixProposal, Report
 from ampdoctor.fixes import TOLERANCES, Verification, before_after_table, diagnose_and_fix, fix, verify
-from ampdoctor.fixes._verify import FACTOR, compute_dtype, curve_err, grad_errors, output_err, rel_err
+from ampdoctor.fixes._tolerance import FACTOR, compute_dtype, curve_err, grad_errors, output_err, rel_err
 from ampdoctor.precision import make_spec
 
 K = 20

@@ -1,0 +1,119 @@
+"""One step runner: every path that runs a user's step (diagnose, verification curves, headroom, the plain
+loop; watch replay calls diagnose) runs the same step and gets bitwise identical losses; the copies are freed as
+soon as a run returns."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampdoctor
+from ampdoctor.fixes._curve import run_curve
+from ampdoctor.precision import GradSnapshot, Observer, ParamSnapshot, make_spec, run, run_steps, saved_rng
+from ampdoctor.precision.headroom import headroom_spec
+
+
+def _spec(precision: str, *, scaler: bool = False, steps: int = 4) -> Any:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.1), nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    F.cross_entropy(model(x), y).backward()  # the optimizer carries state: the runner must cast it too
+    opt.step()
+    opt.zero_grad()
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if scaler else None
+    return make_spec(model, (x,), precision=precision, optimizer=opt, scaler=sc, steps=steps,
+                     loss_fn=lambda out, batch: F.cross_entropy(out, y))
+
+
+@pytest.mark.parametrize("precision,scaler", [("bf16", False), ("fp16-amp", True), ("bf16-amp", False)])
+def test_every_path_runs_the_same_step(precision: str, scaler: bool) -> None:
+    spec = _spec(precision, scaler=scaler)
+    with saved_rng():
+        plain_t = run_steps(spec, reference=False).losses
+    with saved_rng():
+        plain_r = run_steps(spec, reference=True).losses
+    report = ampdoctor.diagnose(spec.model, spec.batch, precision=precision, optimizer=spec.optimizer,
+                                scaler=spec.scaler, loss_fn=spec.loss_fn, steps=spec.steps)
+    curve_t = run_curve(spec, reference=False, steps=spec.steps).losses
+    curve_r = run_curve(spec, reference=True, steps=spec.steps).losses
+    with saved_rng():
+        traced_t = run(spec, reference=False).losses
+    room = headroom_spec(spec)
+    assert len(plain_t) == spec.steps and all(v is not None for v in plain_t)
+    assert plain_t != plain_r  # the precision did something: the comparison below can fail
+    assert report.summary["loss_target"] == plain_t == curve_t == traced_t
+    assert report.summary["loss_reference"] == plain_r == curve_r
+    assert room.loss == plain_r[0]  # headroom's one fp32 step (no optimizer) starts where the reference does
+
+
+def test_optimizer_state_follows_the_cast() -> None:
+    """The verification curve casts the optimizer state as the diagnosis does (the two once diverged)."""
+    spec = _spec("bf16", steps=1)
+    seen: list[set[torch.dtype]] = []
+
+    class StateDtypes(Observer):
+        def grads_ready(self, loop: Any, step: int) -> None:
+            seen.append({v.dtype for st in loop.prep.optimizer.state.values() for v in st.values()
+                         if isinstance(v, torch.Tensor) and v.dim() > 0})
+
+    run_steps(spec, reference=False, observers=[StateDtypes()])
+    assert seen == [{torch.bfloat16}]
+
+
+def test_snapshots_and_no_side_effects() -> None:
+    spec = _spec("fp16-amp", scaler=True, steps=2)
+    before = {k: v.clone() for k, v in spec.model.state_dict().items()}
+    rng = torch.get_rng_state()
+    grads, params = GradSnapshot(0), ParamSnapshot()
+    with saved_rng():
+        res = run_steps(spec, reference=False, observers=[grads, params])
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(before[k], v) for k, v in spec.model.state_dict().items())
+    assert grads.grads is not None and set(grads.grads) == {n for n, _ in spec.model.named_parameters()}
+    scale = spec.scaler.get_scale()
+    # unscaled: the gradient is of the loss's order, not 2**10 times it
+    assert all(g is not None and float(g.abs().max()) < scale / 8 for g in grads.grads.values())
+    assert not any(torch.equal(params.params[n], p.float()) for n, p in spec.model.named_parameters())
+    assert res.finite_steps == 2 and len(res.scales) == 2
+
+
+def test_each_run_frees_its_copy_before_returning() -> None:
+    """Peak memory: a run's copy must be gone when it returns (not at the next GC), so the next copy replaces it."""
+    spec = _spec("bf16", steps=2)
+    copies: list[weakref.ref[nn.Module]] = []
+
+    def remember(model: nn.Module, optimizer: Any = None, scaler: Any = None) -> None:
+        copies.append(weakref.ref(model))
+
+    spec = replace(spec, transforms=(remember,))
+    gc.disable()
+    try:
+        run(spec, reference=True)
+        run(spec, reference=False)
+        run_steps(spec, reference=False)
+        run_curve(spec, reference=False, steps=2)
+        assert len(copies) == 4 and all(r() is None for r in copies)
+    finally:
+        gc.enable()
+
+
+def test_a_failing_step_is_recorded_or_raised() -> None:
+    spec = _spec("bf16", steps=3)
+
+    class Boom(Observer):
+        def before_backward(self, loop: Any, step: int, loss: torch.Tensor) -> None:
+            if step == 1:
+                raise RuntimeError("boom")
+
+    res = run_steps(spec, reference=False, observers=[Boom()])
+    assert res.exc_step == 1 and isinstance(res.exc, RuntimeError) and len(res.losses) == 1
+    with pytest.raises(RuntimeError, match="boom"):
+        run_steps(spec, reference=False, observers=[Boom()], raise_errors=True)
