@@ -172,6 +172,18 @@ def _precision_context(precision: str | None, device: torch.device, policy: str)
     return contextlib.nullcontext()
 
 
+def _gemm_context(precision: str | None, device: torch.device, policy: str) -> Any:
+    """fp16/bf16 GEMMs with fp32 accumulation (CUDA's numerics) for a CUDA-policy target run off-GPU.
+
+    Entered before the observers (the trace), so the trace records the GEMMs in their low dtype.
+    ``AMPDOCTOR_GEMM=native`` keeps torch's own CPU kernels (see :class:`ampdoctor.precision.emulation.cuda_gemm`)."""
+    if policy != "cuda" or device.type == "cuda" or (precision not in AMP_DTYPES and precision not in LOW_DTYPES):
+        return contextlib.nullcontext()
+    from ampdoctor.precision.emulation import cuda_gemm, gemm_choice
+
+    return cuda_gemm(gemm_choice() == "cuda", device_type=device.type)
+
+
 def _fp8_context(precision: str | None, model: nn.Module) -> Any:
     if precision is None or not precision.startswith("fp8"):
         return contextlib.nullcontext()
@@ -361,6 +373,8 @@ class StepLoop:
         self.forward_only_steps, self.raise_errors, self.keep_outputs = forward_only_steps, raise_errors, keep_outputs
         self.amp = contextlib.nullcontext() if prep.reference else _precision_context(prep.precision, prep.device,
                                                                                         policy)
+        self.gemm = contextlib.nullcontext() if prep.reference else _gemm_context(prep.precision, prep.device,
+                                                                                     policy)
         self.step_kw = _bind_train_step(spec.train_step, prep.optimizer, prep.scaler) if spec.train_step else {}
         self.result = StepResult()
         self._loss_checked = False
@@ -372,6 +386,7 @@ class StepLoop:
         fp8 = contextlib.nullcontext() if prep.reference else _fp8_context(prep.precision, prep.model)
         try:
             with contextlib.ExitStack() as stack:
+                stack.enter_context(self.gemm)  # below the observers' dispatch modes (the trace)
                 for ob in self.observers:
                     stack.enter_context(ob.context(self))
                 stack.enter_context(no_autocast)

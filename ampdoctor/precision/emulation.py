@@ -42,18 +42,30 @@ Design
       bypass ``__torch_function__``), and a ``torch.autocast(enabled=False)`` entered by user code that runs *inside*
       a torch call (a custom autograd Function's backward): such a block keeps the state of the enclosing call.
 
+GEMMs (``cuda_gemm``)
+    CUDA computes fp16/bf16 matrix products with fp32 accumulation and rounds the output once (cuBLAS
+    ``CUBLAS_COMPUTE_32F``; cuDNN convolutions likewise). torch's CPU kernels for fp16 (and, without AVX512-BF16,
+    bf16) are blocked differently and, on CPUs without AVX512-FP16/AMX, up to ~100x slower than fp32.
+    :class:`cuda_gemm` is a ``TorchDispatchMode`` that computes every fp16/bf16 CPU GEMM and convolution (see
+    :data:`GEMM_OPS`) in float32 from the (exactly widened) low-precision inputs and rounds each output once to
+    the input dtype: CUDA's numerics, at fp32 speed. It works below autograd, so backward GEMMs are covered too;
+    entered *before* a trace, the trace still records ``aten.mm`` with fp16 inputs and output.
+    ``AMPDOCTOR_GEMM=native`` (or ``cuda_gemm(enabled=False)``) keeps torch's own kernels.
+
 No host sync; no RNG consumed.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from types import FunctionType
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampdoctor.precision._cuda_policy import BANNED_MESSAGE, CUDA_OVERLOADS, CUDA_POLICY
 
@@ -362,3 +374,82 @@ class cuda_autocast:  # noqa: N801 - a context manager named like torch.autocast
         finally:
             torch.set_autocast_enabled(self.device_type, prev_enabled)
             torch.set_autocast_dtype(self.device_type, prev_dtype)
+
+
+# --- GEMMs: fp32 accumulation, one rounding of the output ----------------------------------------------------------
+
+#: aten GEMM-like ops (default overloads) that ``cuda_gemm`` computes in float32: everything ``mm``/``addmm``/
+#: ``bmm``/``baddbmm``/``matmul``/``linear``/``einsum`` and convolutions decompose into below autograd.
+GEMM_OPS: frozenset[Any] = frozenset(getattr(torch.ops.aten, n).default for n in (
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "addr", "_addmm_activation",
+    "convolution", "convolution_backward",
+))
+#: low-precision dtypes whose GEMMs ``cuda_gemm`` widens.
+GEMM_DTYPES: frozenset[torch.dtype] = frozenset(SUPPORTED_DTYPES)
+#: ``AMPDOCTOR_GEMM`` values: ``cuda`` (fp32 accumulation, default) or ``native`` (torch's kernels).
+GEMM_CHOICES: tuple[str, ...] = ("cuda", "native")
+GEMM_ENV = "AMPDOCTOR_GEMM"
+
+
+def gemm_choice(gemm: str | None = None) -> str:
+    """``gemm`` if given, else ``$AMPDOCTOR_GEMM``, else ``"cuda"``; anything else raises ``ValueError``."""
+    value = gemm if gemm is not None else os.environ.get(GEMM_ENV, "cuda")
+    if value not in GEMM_CHOICES:
+        src = "gemm" if gemm is not None else f"${GEMM_ENV}"
+        raise ValueError(f"invalid {src} {value!r}: expected one of {', '.join(map(repr, GEMM_CHOICES))} "
+                         "('cuda': fp16/bf16 GEMMs accumulate in fp32 as on CUDA; 'native': torch's CPU kernels)")
+    return value
+
+
+def _low_dtype(args: tuple, kwargs: dict, device_type: str) -> torch.dtype | None:
+    """The one fp16/bf16 dtype all floating tensor arguments share on ``device_type`` (``None``: leave as is)."""
+    dtype = None
+    for t in _iter_tensors((args, tuple(kwargs.values()))):
+        if not t.is_floating_point():
+            continue
+        if t.dtype not in GEMM_DTYPES or t.device.type != device_type or (dtype is not None and t.dtype != dtype):
+            return None
+        dtype = t.dtype
+    return dtype
+
+
+def _widen(obj: Any, dtype: torch.dtype) -> Any:
+    return _map_tensors(obj, lambda t: t.to(torch.float32) if t.dtype == dtype else t)
+
+
+def _round(obj: Any, dtype: torch.dtype) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.dtype == torch.float32 else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_round(o, dtype) for o in obj)
+    return obj
+
+
+class cuda_gemm(TorchDispatchMode):  # noqa: N801 - a context manager, like cuda_autocast
+    """fp16/bf16 GEMMs and convolutions on ``device_type`` computed in float32 and rounded once, as CUDA does.
+
+    >>> a, b = torch.randn(8, 16).half(), torch.randn(16, 4).half()
+    >>> with cuda_gemm():
+    ...     c = a @ b
+    >>> bool((c == (a.float() @ b.float()).half()).all()), c.dtype
+    (True, torch.float16)
+
+    Inputs are widened exactly (every fp16/bf16 value is a float32 value), so the only rounding is that of the
+    float32 result to the input dtype: an fp32-accumulating GEMM's. Calls whose floating tensors are not all of
+    one low dtype on ``device_type`` run unchanged. ``enabled=False`` makes the block a no-op. No host sync.
+    """
+
+    def __init__(self, enabled: bool = True, *, device_type: str = "cpu") -> None:
+        super().__init__()
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+        self.enabled = enabled
+        self.device_type = device_type
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if self.enabled and func in GEMM_OPS:
+            dtype = _low_dtype(args, kwargs, self.device_type)
+            if dtype is not None:
+                return _round(func(*_widen(args, dtype), **_widen(kwargs, dtype)), dtype)
+        return func(*args, **kwargs)
