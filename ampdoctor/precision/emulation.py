@@ -67,6 +67,7 @@ import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ampdoctor.errors import ScenarioError
 from ampdoctor.precision._cuda_policy import BANNED_MESSAGE, CUDA_OVERLOADS, CUDA_POLICY
 
 log = logging.getLogger(__name__)
@@ -392,11 +393,11 @@ GEMM_ENV = "AMPDOCTOR_GEMM"
 
 
 def gemm_choice(gemm: str | None = None) -> str:
-    """``gemm`` if given, else ``$AMPDOCTOR_GEMM``, else ``"cuda"``; anything else raises ``ValueError``."""
+    """``gemm`` if given, else ``$AMPDOCTOR_GEMM``, else ``"cuda"``; anything else raises ``ScenarioError``."""
     value = gemm if gemm is not None else os.environ.get(GEMM_ENV, "cuda")
     if value not in GEMM_CHOICES:
         src = "gemm" if gemm is not None else f"${GEMM_ENV}"
-        raise ValueError(f"invalid {src} {value!r}: expected one of {', '.join(map(repr, GEMM_CHOICES))} "
+        raise ScenarioError(f"invalid {src} {value!r}: expected one of {', '.join(map(repr, GEMM_CHOICES))} "
                          "('cuda': fp16/bf16 GEMMs accumulate in fp32 as on CUDA; 'native': torch's CPU kernels)")
     return value
 
