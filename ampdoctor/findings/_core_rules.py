@@ -239,6 +239,35 @@ def constant_out_of_range(ctx: Context) -> list[Candidate]:
             "constant-out-of-range", "error", r.module, r.op, r.phase,  # type: ignore[arg-type]
             f"literal {v:g} overflows {dtype_name(r.dtype)} in {r.module or '<root>'}", expl, ev,
             (_finfo_fix(r.module),), r.step), r.index))
+    out.extend(_flushed_literal_candidates(ctx))
+    return out
+
+
+def _flushed_literal_candidates(ctx: Context) -> list[Candidate]:
+    """A literal eps added in a low dtype that rounds to 0 there (``x + 1e-10`` in fp16): the zeros it should
+    prevent reach a division, rsqrt or log. Error when a harmful inf/NaN is computed from it, else a warning."""
+    from ampdoctor.findings._literals import feeds_harm, flushed_literal_evidence, flushed_literals
+
+    out: list[Candidate] = []
+    for r, lit, ref_zero, zero in flushed_literals(ctx):
+        harm = feeds_harm(ctx, r)
+        dt = dtype_name(r.dtype)
+        ev = base_evidence(r)
+        ev.update(flushed_literal_evidence(ctx, r, lit, ref_zero, zero))
+        at = f" [{src_text(r)}]" if r.src else ""
+        expl = (f"{where(r)}{at} adds the literal {lit:g}, which is 0 in {dt} (smallest subnormal "
+                f"{fmt(limits(dt)[2])}): the op is a no-op and {zero} value(s) stay exactly 0 where the fp32 "
+                f"reference holds {lit:g} ({int(ref_zero)} zeros there).")
+        if harm is not None:
+            ev["consequence"] = ctx.describe(harm)
+            expl += f" The zeros then make inf/NaN at {where(harm)}."
+        fix = FixProposal("use an eps the dtype can hold, from the dtype itself",
+                          "eps = torch.finfo(x.dtype).tiny  # or compute this normalisation in float32",
+                          params={"modules": [r.module]})
+        out.append(Candidate(Finding(
+            "constant-out-of-range", "error" if harm is not None else "warning", r.module, r.op,
+            r.phase,  # type: ignore[arg-type]
+            f"literal {lit:g} is 0 in {dt} in {r.module or '<root>'}", expl, ev, (fix,), r.step), r.index))
     return out
 
 

@@ -1,0 +1,207 @@
+"""Architecture zoo: healthy runs and faults injected by mechanism, on tiny models of many families.
+
+    python bench/zoo.py                        # every family, every mechanism -> bench/results/zoo.{json,md}
+    python bench/zoo.py --only llama,bert      # a few families (results not written unless --out)
+    python bench/zoo.py --fast                 # the subset the test suite runs
+
+For each family (``bench/_zoo_families.py``, built from configs, no downloads):
+(a) healthy: ``diagnose`` under fp16-amp (with a GradScaler), bf16-amp and bf16 with AdamW; a run is *ok*
+    when it has no error finding and does not crash;
+(b) injected: each registered mechanism (``bench/_zoo_inject.py``) damages one module chosen at random
+    (seeded by family and mechanism) and runs in the mechanism's precision; it is *named* when
+    ``findings[0]`` names the injected module and one of the mechanism's acceptable codes.
+A crash is ``diagnose`` raising. The results end with one line
+``ZOO families=N healthy_ok=A/B injected_named=C/D crashes=E``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import os
+import random
+import sys
+import time
+import traceback
+import warnings
+import zlib
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import ampdoctor  # noqa: E402
+from _zoo_families import FAMILIES, FAST, Built, loss_for  # noqa: E402
+from _zoo_inject import MECHANISMS, probe  # noqa: E402
+from ampdoctor.precision._runner import call_model, default_loss  # noqa: E402
+
+HEALTHY_PRECISIONS = ("fp16-amp", "bf16-amp", "bf16")
+log = logging.getLogger("zoo")
+
+
+def _seed(*parts: str) -> int:
+    return zlib.crc32("/".join(parts).encode())
+
+
+def build(family: str, seed: int = 0) -> Built:
+    torch.manual_seed(seed)
+    return FAMILIES[family].build()
+
+
+def _diagnose(built: Built, family: str, precision: str, lr: float = 1e-3) -> ampdoctor.Report:
+    model = built.model
+    if precision == "bf16" and lr == 1e-3:
+        lr = 1e-2  # pure bf16 weights: AdamW steps of 1e-3 round away at |w| ~ 1 (a real finding), 1e-2 do not
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    scaler = torch.amp.GradScaler("cpu") if precision == "fp16-amp" else None
+    return ampdoctor.diagnose(model, built.batch, precision=precision, loss_fn=loss_for(family, built),
+                              optimizer=opt, scaler=scaler)
+
+
+def _root(report: ampdoctor.Report) -> dict[str, Any] | None:
+    f = report.findings[0] if report.findings else None
+    return None if f is None else {"code": f.code, "module": f.module, "op": f.op, "phase": f.phase,
+                                   "severity": f.severity}
+
+
+def run_healthy(family: str, precision: str) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"family": family, "precision": precision}
+    try:
+        report = _diagnose(build(family), family, precision)
+        out.update(ok=report.ok, crash=None, root=_root(report),
+                   errors=[(f.code, f.module, f.op) for f in report.findings if f.severity == "error"][:5],
+                   codes=report.codes()[:8])
+    except Exception as e:  # noqa: BLE001 - a crash is a result
+        out.update(ok=False, crash=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
+                   trace=traceback.format_exc(limit=4)[-1500:])
+    out["seconds"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def _loss_of(family: str, built: Built) -> Any:
+    lf = loss_for(family, built)
+
+    def loss_of(model: torch.nn.Module) -> torch.Tensor:
+        out = call_model(model, built.batch)
+        loss = lf(out, built.batch) if lf is not None else default_loss(out)
+        assert loss is not None, f"{family}: no loss"
+        return loss
+    return loss_of
+
+
+def run_injected(family: str, mech: str) -> dict[str, Any]:
+    m = MECHANISMS[mech]
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"family": family, "mechanism": mech, "precision": m.precision}
+    built = build(family)
+    try:
+        p = probe(copy.deepcopy(built.model), built.batch, _loss_of(family, built))
+        inj = m.inject(built.model, p, random.Random(_seed(family, mech)))
+    except LookupError as e:
+        out.update(skipped=str(e), named=None, crash=None)
+        return out
+    out["module"] = inj.module
+    out["note"] = inj.note
+    try:
+        report = _diagnose(built, family, m.precision, lr=inj.overrides.get("lr", 1e-3))
+        root = _root(report)
+        out.update(root=root, crash=None, codes=report.codes()[:8],
+                   named=bool(root and root["module"] == inj.module and root["code"] in m.codes),
+                   found_anywhere=any(f.module == inj.module and f.code in m.codes for f in report.findings))
+    except Exception as e:  # noqa: BLE001 - a crash is a result
+        out.update(named=False, crash=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
+                   trace=traceback.format_exc(limit=4)[-1500:])
+    out["seconds"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def sweep(families: list[str], mechanisms: list[str], healthy: bool = True) -> dict[str, Any]:
+    rows_h, rows_i = [], []
+    for fam in families:
+        if healthy:
+            for prec in HEALTHY_PRECISIONS:
+                r = run_healthy(fam, prec)
+                rows_h.append(r)
+                log.info("healthy %-18s %-8s ok=%s %s %.1fs", fam, prec, r["ok"], r.get("crash") or r.get("errors"),
+                         r["seconds"])
+        for mech in mechanisms:
+            r = run_injected(fam, mech)
+            rows_i.append(r)
+            log.info("inject  %-18s %-20s named=%s %s -> %s", fam, mech, r.get("named"), r.get("module"),
+                     r.get("crash") or r.get("root"))
+    return {"healthy": rows_h, "injected": rows_i}
+
+
+def zoo_line(res: dict[str, Any], n_families: int) -> str:
+    h = res["healthy"]
+    inj = [r for r in res["injected"] if r.get("named") is not None]
+    crashes = sum(1 for r in h + inj if r.get("crash"))
+    return (f"ZOO families={n_families} healthy_ok={sum(1 for r in h if r['ok'])}/{len(h)} "
+            f"injected_named={sum(1 for r in inj if r['named'])}/{len(inj)} crashes={crashes}")
+
+
+def markdown(res: dict[str, Any], families: list[str], seconds: float) -> str:
+    h, inj = res["healthy"], [r for r in res["injected"] if r.get("named") is not None]
+    lines = ["# Architecture zoo", "",
+             "Generated by `python bench/zoo.py` (torch " + torch.__version__ + "): tiny models of "
+             f"{len(families)} families built from configs (no downloads), healthy runs under "
+             f"{', '.join(HEALTHY_PRECISIONS)} and faults injected by mechanism at a seeded random module. "
+             f"Sweep time {seconds / 60:.1f} min on a shared 2-core CPU.", "",
+             "## Families", "", ", ".join(f"`{f}` ({FAMILIES[f].kind})" for f in families), "",
+             "## Healthy runs", "", "| precision | ok | not ok |", "|---|---|---|"]
+    for prec in HEALTHY_PRECISIONS:
+        rs = [r for r in h if r["precision"] == prec]
+        bad = [f"{r['family']} ({r.get('crash') or r.get('errors')})" for r in rs if not r["ok"]]
+        lines.append(f"| {prec} | {sum(1 for r in rs if r['ok'])}/{len(rs)} | {'; '.join(bad) or '-'} |")
+    lines += ["", "## Injected faults", "", "| mechanism | precision | named | misses |", "|---|---|---|---|"]
+    for mech, m in MECHANISMS.items():
+        rs = [r for r in inj if r["mechanism"] == mech]
+        miss = [f"{r['family']}:{r['module']} -> {r.get('crash') or _short(r.get('root'))}" for r in rs
+                if not r["named"]]
+        lines.append(f"| `{mech}` | {m.precision} | {sum(1 for r in rs if r['named'])}/{len(rs)} | "
+                     f"{'; '.join(miss) or '-'} |")
+    skipped = [f"{r['family']}/{r['mechanism']}" for r in res["injected"] if r.get("named") is None]
+    if skipped:
+        lines += ["", f"Not applicable (no module fits the mechanism): {', '.join(skipped)}."]
+    lines += ["", zoo_line(res, len(families))]
+    return "\n".join(lines) + "\n"
+
+
+def _short(root: dict[str, Any] | None) -> str:
+    return "no finding" if root is None else f"{root['code']} @ {root['module'] or '<root>'} {root['op']}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="", help="comma-separated family names")
+    ap.add_argument("--mechanisms", default="", help="comma-separated mechanism names")
+    ap.add_argument("--fast", action="store_true", help="the test-suite subset")
+    ap.add_argument("--no-healthy", action="store_true")
+    ap.add_argument("--out", default="", help="results prefix (default bench/results/zoo for a full sweep)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    logging.getLogger("ampdoctor").setLevel(logging.WARNING)
+    families = [f for f in args.only.split(",") if f] or (list(FAST) if args.fast else list(FAMILIES))
+    mechs = [m for m in args.mechanisms.split(",") if m] or list(MECHANISMS)
+    t0 = time.perf_counter()
+    res = sweep(families, mechs, healthy=not args.no_healthy)
+    seconds = time.perf_counter() - t0
+    out = args.out or ("" if (args.only or args.fast or args.mechanisms) else
+                       os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "zoo"))
+    if out:
+        with open(out + ".json", "w", encoding="utf-8") as fh:
+            json.dump({"families": families, "seconds": round(seconds, 1), **res}, fh, indent=1, default=str)
+        with open(out + ".md", "w", encoding="utf-8") as fh:
+            fh.write(markdown(res, families, seconds))
+    print(zoo_line(res, len(families)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
