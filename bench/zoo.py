@@ -29,13 +29,14 @@ import warnings
 import zlib
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # the bench helpers and this checkout's ampdoctor
 
 import torch  # noqa: E402
-
-import ampdoctor  # noqa: E402
 from _zoo_families import FAMILIES, FAST, Built, loss_for  # noqa: E402
 from _zoo_inject import MECHANISMS, probe  # noqa: E402
+
+import ampdoctor  # noqa: E402
 from ampdoctor.precision._runner import call_model, default_loss  # noqa: E402
 
 HEALTHY_PRECISIONS = ("fp16-amp", "bf16-amp", "bf16")

@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from ampdoctor.findings._context import Context, dtype_name, feeders, limits, op_base
+from ampdoctor.findings._common import LOW, dtype_name, feeders, limits, op_base
+from ampdoctor.findings._context import Context
 from ampdoctor.trace import OpRecord
 
 ADDITIVE = {"add", "sub", "add_", "sub_", "rsub", "clamp", "clamp_min", "clamp_min_", "clamp_"}
-LOW = {"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
 
 
 def in_dtype(v: float, dtype: str) -> float:
