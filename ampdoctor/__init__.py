@@ -10,6 +10,7 @@
 """
 
 from ampdoctor.diagnose import diagnose, diagnose_file
+from ampdoctor.diagnose_generate import diagnose_generate
 from ampdoctor.errors import AmpDoctorError, AnomalyError
 from ampdoctor.findings import CODES, Finding, FixProposal, Report
 from ampdoctor.fixes import diagnose_and_fix, fix, verify
@@ -28,6 +29,7 @@ __all__ = [
     "Report",
     "diagnose",
     "diagnose_file",
+    "diagnose_generate",
     "trace",
     "headroom",
     "diagnose_and_fix",

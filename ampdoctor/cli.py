@@ -77,17 +77,45 @@ def main(verbose: bool) -> None:
 
 
 @main.command()
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file", type=click.Path(dir_okay=False), required=False)
 @click.option("--precision", type=click.Choice(PRECISION_CHOICES), default=None,
-              help="target precision (default: the scenario's own; 'as-given' runs the step as written)")
+              help="target precision (default: the scenario's own, fp16 with --hf; 'as-given' runs the step as "
+                   "written)")
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="number of steps (default: the scenario's)")
 @click.option("--policy", type=click.Choice(["cuda", "native"]), default="cuda",
               help="autocast op policy for *-amp: CUDA's (emulated off-GPU) or the device's own")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="write the JSON report")
 @click.option("--html", "html_out", type=click.Path(dir_okay=False), default=None, help="write the HTML report")
-def diagnose(file: str, precision: str | None, steps: int | None, policy: str, json_out: str | None,
-             html_out: str | None) -> None:
-    """Diagnose the scenario FILE (a .py file defining make())."""
+@click.option("--hf", type=click.Path(file_okay=False), default=None,
+              help="diagnose inference of a local Hugging Face model directory instead of a scenario FILE")
+@click.option("--text", default=None, help="with --hf: the prompt, tokenized with the checkpoint's tokenizer")
+@click.option("--input-ids", "input_ids", type=click.Path(dir_okay=False), default=None,
+              help="with --hf: a file of token ids (JSON list, whitespace-separated ints or a .pt tensor)")
+@click.option("--task", type=click.Choice(["auto", "causal-lm", "seq2seq", "embeddings", "classification"]),
+              default="auto", show_default=True, help="with --hf: which head to load (auto: from config.json)")
+@click.option("--max-new-tokens", "max_new_tokens", type=click.IntRange(min=1), default=None,
+              help="with --hf: diagnose a greedy generation of N tokens (KV cache) instead of one forward")
+@click.option("--seq-len", "seq_len", type=click.IntRange(min=1), default=None,
+              help="with --hf: probe a context of L tokens (synthetic ids without --text); a per-position headroom "
+                   "curve goes into the JSON summary")
+@click.option("--compiled", is_flag=True, default=False,
+              help="with --hf: also compare torch.compile's target outputs with the eager target's")
+def diagnose(file: str | None, precision: str | None, steps: int | None, policy: str, json_out: str | None,
+             html_out: str | None, hf: str | None, text: str | None, input_ids: str | None, task: str,
+             max_new_tokens: int | None, seq_len: int | None, compiled: bool) -> None:
+    """Diagnose the scenario FILE (a .py file defining make()), or a checkpoint's inference with --hf DIR."""
+    if hf is not None or file is None:
+        if (file is None) == (hf is None):
+            _fail("give either a scenario FILE or --hf DIR (a Hugging Face model directory)")
+        if steps is not None:
+            _fail("--steps applies to scenario files; with --hf use --max-new-tokens N for a generation")
+        _diagnose_hf(str(hf), precision or "fp16", policy, json_out, html_out, text=text, input_ids=input_ids,
+                     task=task, max_new_tokens=max_new_tokens, seq_len=seq_len, compiled=compiled)
+        return
+    given = [n for n, v in (("--text", text), ("--input-ids", input_ids), ("--max-new-tokens", max_new_tokens),
+                            ("--seq-len", seq_len)) if v is not None] + (["--compiled"] if compiled else [])
+    if given or task != "auto":
+        _fail(f"{', '.join(given) or '--task'} need(s) --hf DIR; a scenario FILE defines its own batch in make()")
     overrides: dict[str, Any] = {"policy": policy}
     if precision is not None:
         overrides["precision"] = None if precision == "as-given" else precision
@@ -96,6 +124,22 @@ def diagnose(file: str, precision: str | None, steps: int | None, policy: str, j
     try:
         with _phase_progress() as progress:
             report = ampdoctor.diagnose_file(file, progress=progress, **overrides)
+    except AmpDoctorError as e:
+        _fail(str(e))
+    _emit(report, json_out, html_out)
+    sys.exit(0 if report.ok else 1)
+
+
+def _diagnose_hf(path: str, precision: str, policy: str, json_out: str | None, html_out: str | None,
+                 **kw: Any) -> None:
+    from ampdoctor.integrations.hf_checkpoint import diagnose_hf
+
+    if precision == "as-given":
+        _fail("--precision as-given has no meaning with --hf (the checkpoint is loaded in float32); pass fp16, "
+              "bf16, fp16-amp, bf16-amp or an fp8 format")
+    try:
+        with _phase_progress() as progress:
+            report = diagnose_hf(path, precision=precision, policy=policy, progress=progress, **kw)
     except AmpDoctorError as e:
         _fail(str(e))
     _emit(report, json_out, html_out)

@@ -1,0 +1,167 @@
+"""``diagnose_generate``: where greedy generation in a low precision first goes wrong, down to the op.
+
+>>> report = ampdoctor.diagnose_generate(model, input_ids, precision="fp16", max_new_tokens=16)  # doctest: +SKIP
+>>> f = report.findings[0]; f.code, f.module, f.evidence["decode_step"], f.evidence["position"]  # doctest: +SKIP
+('overflow', 'transformer.h.1.mlp.c_fc', 5, 8)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampdoctor.findings import Finding, Report, analyse, build_context
+from ampdoctor.findings._knowledge import enrich_all
+from ampdoctor.precision import StepSpec, saved_rng
+from ampdoctor.precision._generate import NOISE_MARGIN_RMS, NOISE_REL_ERR, DecodeStat, Generation, generate, validate
+from ampdoctor.precision._keep_fp32 import keep_fp32_transform
+
+log = logging.getLogger(__name__)
+
+
+def unwrap_compiled(model: Any) -> tuple[Any, list[str]]:
+    """A ``torch.compile``d module's original (eager) module, and a note saying so; other models unchanged."""
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(model, nn.Module) and isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule":
+        return inner, [f"the model is torch.compile()d: diagnosed through its original module "
+                       f"({type(inner).__name__}, eager), where every op is visible; compiled kernels can differ "
+                       "from eager (fusions, upcasts): `ampdoctor diagnose --hf DIR --compiled` compares them"]
+    return model, []
+
+
+def diagnose_generate(model: nn.Module, input_ids: torch.Tensor, *, precision: str = "fp16",
+                      max_new_tokens: int = 16, keep_fp32: Iterable[str] = (), policy: str = "cuda",
+                      source: str = "", compiled: bool = False) -> Report:
+    """Diagnose a greedy generation of ``max_new_tokens`` tokens from ``input_ids`` (shape ``(1, L)``).
+
+    >>> r = diagnose_generate(model, tok("Hello", return_tensors="pt")["input_ids"], precision="fp16")  # doctest: +SKIP
+
+    The fp32 reference and the target decode with the same cache implementation (the model's own), both fed
+    the reference's tokens, so decode step ``k`` compares like with like. The first step whose target logits or
+    cache are not finite, or whose token differs from the reference beyond rounding noise, is re-run under the
+    full op trace: ``findings[0]`` is the op-level root cause within that step (phase ``forward``; evidence
+    ``decode_step``, ``position``, ``cache``). Flipped tokens within rounding noise are ``info`` findings.
+    ``keep_fp32`` names parameters kept in float32 in the target (as ``from_pretrained(dtype=float16)`` keeps
+    ``_keep_in_fp32_modules``). A ``torch.compile``d model is diagnosed through its original module; with
+    ``compiled=True`` the compiled target's logits are also compared with the eager target's.
+    Runs on copies; the caller's model and RNG state are untouched. Host syncs: one per generation, plus the
+    traced step's read-back. Raises :class:`ampdoctor.precision.ScenarioError` for unusable input.
+    """
+    t0 = time.perf_counter()
+    model, notes = unwrap_compiled(model)
+    validate(model, input_ids, precision, max_new_tokens)
+    keep = list(keep_fp32)
+    transforms = (keep_fp32_transform(model, keep),) if keep else ()
+    with saved_rng():
+        gen = generate(model, input_ids, precision=precision, max_new_tokens=max_new_tokens, policy=policy,
+                       transforms=transforms)
+    first = next((s for s in gen.stats if s.failed), None)
+    findings: list[Finding] = []
+    layers: list[dict[str, Any]] = []
+    step_summary: dict[str, Any] = {}
+    if first is not None:
+        with saved_rng():
+            again = generate(model, input_ids, precision=precision, max_new_tokens=max_new_tokens, policy=policy,
+                             transforms=transforms, trace_step=first.step)
+        findings, layers, step_summary = _step_findings(model, precision, source, first, again)
+    noise = [s for s in gen.stats if s.within_noise and (first is None or s.step <= first.step)]
+    if noise:
+        findings.append(_noise_finding(noise))
+    summary: dict[str, Any] = {
+        "precision": precision, "steps": 1, "forward_only": True, "torch_version": torch.__version__,
+        "device": str(next((p.device for p in model.parameters()), "cpu")),
+        "generation": {
+            "prompt_len": gen.prompt_len, "max_new_tokens": max_new_tokens, "cache": gen.cache or "none",
+            "teacher_forced": True, "reference_tokens": gen.ref_tokens,
+            "target_tokens": [s.target_token for s in gen.stats],
+            "first_failure": first.to_dict() if first is not None else None,
+            "noise_flips": [s.step for s in noise],
+            "steps": [s.to_dict() for s in gen.stats],
+            "noise_rule": f"a flipped token is rounding noise when the reference margin <= {NOISE_MARGIN_RMS} x the "
+                          f"step's RMS logit error and that error is <= {NOISE_REL_ERR:.0%} of the logits' RMS",
+        },
+        "notes": notes,
+    }
+    summary.update(step_summary)
+    if compiled:
+        from ampdoctor.precision._compiled import compare_compiled_generation
+
+        summary["compiled"] = compare_compiled_generation(model, input_ids, precision, policy, gen.ref_tokens,
+                                                          transforms)
+    summary["elapsed_s"] = round(time.perf_counter() - t0, 3)
+    return Report(tuple(findings), precision, summary, tuple(layers), source)
+
+
+def _step_findings(model: nn.Module, precision: str, source: str, first: DecodeStat,
+                   again: Generation) -> tuple[list[Finding], list[dict[str, Any]], dict[str, Any]]:
+    """The op-level findings of the failing decode step, each carrying where in the generation it happened."""
+    from ampdoctor.diagnose import _layers  # per-module range table of the report (shared with diagnose)
+
+    if again.traced is None:  # pragma: no cover - generate(trace_step=k) traces step k whenever it is reached
+        raise RuntimeError(f"decode step {first.step} was not traced")
+    target, reference = again.traced
+    spec = StepSpec(model, None, precision, source=source)
+    ctx = build_context(spec, target, reference)
+    op_findings = enrich_all(analyse(ctx), model, precision)
+    where = {"decode_step": first.step, "position": first.position, "ref_token": first.ref_token,
+             "target_token": first.target_token, "ref_margin": first.ref_margin}
+    out: list[Finding] = []
+    for f in op_findings:
+        cache = _cache_role(ctx, f, again.cache_records)
+        ev = {**f.evidence, **where, "cache": cache}
+        title = f"decode step {first.step} (position {first.position}): {f.title}"
+        out.append(replace(f, evidence=ev, title=title))
+    if not any(f.severity == "error" for f in out):
+        out.insert(0, _divergence_finding(first, where))
+    records = ctx.records
+    nf = next((r for r in records if r.kind == "op" and r.stats and (
+        r.stats.get("n_nan", 0) + r.stats.get("n_posinf", 0) + r.stats.get("n_neginf", 0)) > 0), None)
+    summary: dict[str, Any] = {"ops_traced": len(records)}
+    if nf is not None:
+        summary["first_nonfinite"] = dict(ctx.describe(nf), decode_step=first.step, position=first.position)
+    return out, _layers(ctx), summary
+
+
+def _cache_role(ctx: Any, f: Finding, cache_records: set[int]) -> str:
+    """``"write"`` when the finding's op produced (or feeds into) a tensor stored in the cache this step,
+    ``"read"`` when it consumes a cached tensor, else ``"none"``."""
+    recs = [r for r in ctx.records if r.module == f.module and r.op == f.op and r.kind == "op"]
+    for r in recs:
+        if r.index in cache_records or any(i in cache_records for i in ctx.lineage.descendants.get(r.index, [])[:1]):
+            return "write"
+        if any(i in cache_records for i in r.inputs):
+            return "read"
+    for r in recs:
+        if set(ctx.lineage.descendants.get(r.index, [])) & cache_records:
+            return "write"
+    return "none"
+
+
+def _divergence_finding(s: DecodeStat, where: dict[str, Any]) -> Finding:
+    if not s.finite or not s.cache_finite:
+        what = "its logits are not finite" if not s.finite else "its KV cache holds inf/NaN after this step's write"
+        return Finding("overflow", "error", "", "", "forward", f"generation goes non-finite at decode step {s.step}",
+                       f"At decode step {s.step} (position {s.position}) {what}; the op trace of the step found no "
+                       "op-level cause (the non-finite value may come from outside the traced model call).",
+                       {**where, "cache": "write" if not s.cache_finite else "none"})
+    return Finding(
+        "precision-loss", "error", "", "", "forward", f"generated token differs at decode step {s.step}",
+        f"At decode step {s.step} (position {s.position}) the target picks token {s.target_token} where the fp32 "
+        f"reference picks {s.ref_token} by a margin of {s.ref_margin:.3g}, beyond rounding noise (the step's RMS "
+        f"logit error is {s.logit_err:.3g}, {s.logit_err / max(s.logit_rms, 1e-30):.1%} of the logits).",
+        {**where, "logit_rms_err": s.logit_err, "logit_rms": s.logit_rms, "cache": "none"})
+
+
+def _noise_finding(noise: list[DecodeStat]) -> Finding:
+    steps = ", ".join(f"{s.step} (margin {s.ref_margin:.2g} vs error {s.logit_err:.2g})" for s in noise[:8])
+    return Finding(
+        "precision-loss", "info", "", "", "forward", f"{len(noise)} token(s) flipped within rounding noise",
+        f"At decode step(s) {steps} the target's token differs from the reference's, but the reference itself "
+        "chose it by a margin the low precision's rounding error covers: a near-tie, not a failure.",
+        {"decode_step": noise[0].step, "position": noise[0].position, "steps": [s.to_dict() for s in noise]})
