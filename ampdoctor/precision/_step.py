@@ -151,12 +151,30 @@ def saved_rng() -> Iterator[None]:
 def copy_objects(spec: StepSpec) -> tuple[nn.Module, Any, Any]:
     """Deep copies of the spec's model, optimizer and scaler, made together (one copy, shared references kept)."""
     try:
-        return copy.deepcopy((spec.model, spec.optimizer, spec.scaler))
+        model, optimizer, scaler = copy.deepcopy((spec.model, spec.optimizer, spec.scaler))
     except Exception as e:
         raise ScenarioError(
             f"cannot copy the model/optimizer/scaler ({type(e).__name__}: {e}); ampdoctor runs on copies so that "
             "your objects are never changed: make them deep-copyable (no open files, locks or generators held)"
         ) from e
+    _strip_instrument_hooks(model, optimizer)
+    return model, optimizer, scaler
+
+
+def _strip_instrument_hooks(model: nn.Module, optimizer: Any) -> None:
+    """A copy runs without ampdoctor's own instruments (a watch on the user's model): their hooks are marked
+    ``_ampdoctor_hook`` and shared, not copied, by ``deepcopy``; drop them from the copy."""
+    pairs = [(d, extras) for m in model.modules() for d, extras in (
+        (m._forward_pre_hooks, (m._forward_pre_hooks_with_kwargs,)),
+        (m._forward_hooks, (m._forward_hooks_with_kwargs, m._forward_hooks_always_called)),
+        (m._backward_hooks, ()))]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        pairs += [(optimizer._optimizer_step_pre_hooks, ()), (optimizer._optimizer_step_post_hooks, ())]
+    for d, extras in pairs:
+        for key in [k for k, h in d.items() if getattr(h, "_ampdoctor_hook", False)]:
+            del d[key]
+            for extra in extras:
+                extra.pop(key, None)
 
 
 def _precision_context(precision: str | None, device: torch.device, policy: str) -> Any:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from ampdoctor.findings._context import group_by_owner
 from ampdoctor.findings._types import Finding, FixProposal, Report
+from ampdoctor.watch._record import Coverage, LostUpdates, StepRecord
 
 #: Codes whose finding names the op that produced a bad value (used to attribute a loss-scale collapse).
 ORIGIN_CODES = ("overflow", "underflow", "nan-from-inf", "masked-row-nan", "constant-out-of-range", "saturation",
@@ -28,56 +27,6 @@ LOST_NAMED = 0.10
 LOST_ERROR = 0.50
 
 _SEVERITY_RANK = {"error": 0, "warning": 1, "info": 2}
-
-
-@dataclass
-class StepRecord:
-    """What the guard learnt about one step (one optimizer update, or one iteration without optimizer).
-
-    Mutable on purpose: values read back from the device arrive after the record was opened.
-    ``skipped`` is true when GradScaler skipped the update (non-finite gradients).
-    """
-
-    step: int
-    skipped: bool = False
-    loss: float | None = None
-    grad_norm: float | None = None
-    scale: float | None = None
-    nonfinite_params: tuple[str, ...] = ()
-    spike: bool = False
-
-
-@dataclass
-class Coverage:
-    """Gradient coverage measured over the first ``coverage_steps`` steps (names as in ``named_parameters``)."""
-
-    steps: int = 0
-    never_grad: tuple[str, ...] = ()
-    zero_grad: tuple[str, ...] = ()
-    not_in_optimizer: tuple[str, ...] = ()
-
-
-@dataclass
-class LostUpdates:
-    """Low-precision parameters updated in place by the optimizer: elements with a non-zero gradient
-    (``updates``) and, of those, elements bit-identical after the step (``lost``)."""
-
-    dtypes: dict[str, str] = field(default_factory=dict)
-    lost: dict[str, int] = field(default_factory=dict)
-    updates: dict[str, int] = field(default_factory=dict)
-    steps: int = 0
-
-    def add(self, name: str, lost: float, updates: float) -> None:
-        self.lost[name] = self.lost.get(name, 0) + int(lost)
-        self.updates[name] = self.updates.get(name, 0) + int(updates)
-
-
-def is_spike(norm: float, previous: Sequence[float], factor: float, min_history: int = 5) -> tuple[bool, float]:
-    """``norm > factor * median(previous)``; returns ``(spike, median)``. Needs ``min_history`` finite norms."""
-    if len(previous) < min_history or not math.isfinite(norm):
-        return False, math.nan
-    med = statistics.median(previous)
-    return med > 0 and norm > factor * med, med
 
 
 def skipped_runs(records: Iterable[StepRecord]) -> list[tuple[int, int, bool]]:
@@ -308,7 +257,6 @@ __all__ = [
     "collapse_findings",
     "coverage_findings",
     "group_by_owner",
-    "is_spike",
     "low_precision_findings",
     "merge_replay",
     "nonfinite_findings",

@@ -15,7 +15,7 @@ import ampdoctor
 from ampdoctor.findings._types import Report
 from ampdoctor.watch import AnomalyError, Watch, WatchOptions, watch
 
-WATCH_LOGGER = "ampdoctor.watch._guard"
+WATCH_LOGGER = "ampdoctor.watch"
 
 
 class Net(nn.Module):
@@ -304,7 +304,7 @@ def test_collapse_mid_run_that_recovers_is_a_warning() -> None:
     xs = batches(12)
     for i in (5, 6, 7, 8):
         xs[i] = xs[i] * 1e5           # fp16 inputs overflow -> NaN grads -> skipped steps
-    with watch(m, opt, sc) as w:
+    with watch(m, opt, sc, locate=False) as w:
         train(m, opt, xs, w, scaler=sc)
     r = w.report()
     assert r.codes() == ["overflow", "loss-scale-collapse"]       # the fp16 forward overflowed: the loss was NaN
@@ -352,7 +352,18 @@ def test_skip_leaves_parameters_and_adam_state_untouched() -> None:
     assert float(opt.state[m.body.weight]["step"]) == len(xs) - 1
     r = w.report()
     assert r.summary["steps_skipped_by_watch"] == 1
-    f = r.findings[0]
+    f = r.findings[0]                     # located by the in-process replay of step 3 (the default)
+    assert (f.code, f.phase, f.module, f.step) == ("nonfinite-input", "forward", "", 0)   # the batch itself
+    assert r.summary["anomalies"][0]["kind"] == "nonfinite-grads"
+    assert "first: body.weight" in r.summary["anomalies"][0]["message"]
+
+
+def test_skip_without_locate_names_the_parameters() -> None:
+    m, opt = fresh()
+    xs = inf_at(3)
+    with watch(m, opt, on_anomaly="skip", locate=False) as w:
+        train(m, opt, xs, w)
+    f = next(f for f in w.report().findings if f.phase == "backward")
     assert (f.code, f.phase, f.module, f.step) == ("overflow", "backward", "", 3)
     assert f.evidence["parameters"] == ["body.weight", "body.bias", "head.weight", "head.bias"]
 
@@ -447,12 +458,12 @@ def test_bf16_parameters_without_master_copy_lose_their_updates() -> None:
 
 # ------------------------------------------------------------------------------------------- robustness
 def test_internal_error_disables_the_watch_with_one_warning(monkeypatch, caplog) -> None:
-    from ampdoctor.watch import _rules
+    from ampdoctor.watch import _detectors
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(_rules, "is_spike", broken)
+    monkeypatch.setattr(_detectors, "is_spike", broken)
     xs = batches(6)
     m0, o0 = fresh()
     l0 = train(m0, o0, xs)

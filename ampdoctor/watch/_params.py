@@ -1,0 +1,61 @@
+"""The watched parameters: names, owner modules, optimizer membership and low-precision ones."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+_LOW_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """accelerate/transformers wrappers keep the real optimizer in ``.optimizer``; hooks belong on that one."""
+    inner = getattr(optimizer, "optimizer", None)
+    while isinstance(inner, torch.optim.Optimizer):
+        optimizer, inner = inner, getattr(inner, "optimizer", None)
+    return optimizer
+
+
+class Parameters:
+    """Names, owners and roles of the watched parameters (re-read when the optimizer's param groups change)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self.names: dict[int, str] = {id(p): n for n, p in model.named_parameters()}
+        self.owners: dict[str, str] = {}
+        for mod_name, mod in model.named_modules():
+            for p in mod.parameters(recurse=False):
+                n = self.names.get(id(p))
+                if n is not None and n not in self.owners:
+                    self.owners[n] = mod_name
+        self.trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.optimizer = optimizer
+        self.refresh()
+
+    def refresh(self) -> None:
+        opt = self.optimizer
+        if opt is not None:
+            self.opt_params = [p for g in opt.param_groups for p in g["params"]]
+            self.opt_names = [self.names.get(id(p), f"optimizer.param_groups[{gi}][{i}]")
+                              for gi, g in enumerate(opt.param_groups) for i, p in enumerate(g["params"])]
+            self.signature = tuple(id(p) for p in self.opt_params)
+        else:
+            self.opt_params = [p for _, p in self.trainable]
+            self.opt_names = [n for n, _ in self.trainable]
+            self.signature = ()
+        opt_ids = {id(p) for p in self.opt_params}
+        self.not_in_optimizer = tuple(n for n, p in self.trainable if opt is not None and id(p) not in opt_ids)
+        self.low = [(n, p) for n, p in zip(self.opt_names, self.opt_params)
+                    if opt is not None and p.requires_grad and (p.dtype in _LOW_DTYPES or
+                                                                (p.is_floating_point() and p.element_size() == 1))]
+
+    def changed(self) -> bool:
+        """Whether the optimizer's param groups changed since the last read (``add_param_group``)."""
+        opt = self.optimizer
+        if opt is None:
+            return False
+        return sum(len(g["params"]) for g in opt.param_groups) != len(self.signature)   # O(groups) per step
+
+
+__all__ = ["Parameters", "unwrap_optimizer"]

@@ -1,0 +1,131 @@
+"""The content of a reproducer: the pre-step state of one anomalous step, as plain tensors and values.
+
+See :mod:`ampdoctor.watch._reproducer` for the keys. Building a payload copies the model's state, gradients,
+optimizer state and batch to the CPU (a sync); it runs only for the first anomaly of each kind.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampdoctor.watch import _reproducer
+from ampdoctor.watch._scaler import GradScalerView
+
+_LOW_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What the step's forward was called with (kept by reference until the next forward) and its RNG state."""
+
+    batch: Any = None
+    has_batch: bool = False
+    call: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+    rng: dict[str, Any] | None = None
+
+
+def rng_state(device_type: str) -> dict[str, Any]:
+    """The global RNG states (a CPU copy of a few KB; reading a CUDA generator's state does not sync)."""
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if device_type == "cuda" else None}
+
+
+def precision_settings(autocast: dict[str, Any], params: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """The precision a step ran in: autocast as seen during the forward, else the parameters' main dtype."""
+    dtypes = [p.dtype for p in params]
+    main = max(set(dtypes), key=dtypes.count) if dtypes else torch.float32
+    name = None
+    if autocast["autocast"] and autocast["autocast_dtype"] in ("float16", "bfloat16"):
+        name = "fp16-amp" if autocast["autocast_dtype"] == "float16" else "bf16-amp"
+    elif main == torch.float16:
+        name = "fp16"
+    elif main == torch.bfloat16:
+        name = "bf16"
+    return {"name": name, **autocast, "param_dtype": str(main).replace("torch.", "")}
+
+
+def local_module(model: nn.Module) -> nn.Module:
+    """The module a DDP wrapper holds: a replay runs it alone, so it never issues a collective."""
+    while isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
+    return model
+
+
+def hf_config(model: nn.Module) -> dict[str, Any] | None:
+    """A Hugging Face model's config as plain values (``to_dict()``), to rebuild the architecture without code."""
+    cfg = getattr(local_module(model), "config", None)
+    to_dict = getattr(cfg, "to_dict", None)
+    if not callable(to_dict):
+        return None
+    try:
+        return _reproducer.to_saveable(to_dict())  # type: ignore[no-any-return]
+    except Exception:  # noqa: BLE001 - a config that does not serialise: replay then needs --factory
+        return None
+
+
+def build_payload(*, step: int, kind: str, message: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                  scaler: GradScalerView | None, scale: float | None, inputs: StepInputs,
+                  precision: dict[str, Any], source: str, device_type: str) -> dict[str, Any]:
+    dropped: list[str] = []
+    if inputs.has_batch:
+        batch = inputs.batch
+    elif inputs.call is not None:
+        batch = _reproducer.batch_from_call(*inputs.call)
+    else:
+        batch = None
+    scaler_state = None
+    if scaler is not None:
+        scaler_state = scaler.state_dict()
+        if scale is not None:
+            scaler_state["scale"] = scale
+    local = local_module(model)
+    names = {id(p): n for n, p in local.named_parameters()}
+    call = inputs.call
+    return {
+        "format": _reproducer.FORMAT, "version": _reproducer.VERSION,
+        "step": step, "anomaly": kind, "message": message,
+        "model_state": _reproducer.to_saveable(dict(local.state_dict())),
+        "grads": {n: _reproducer.to_saveable(p.grad) for n, p in local.named_parameters()},
+        "batch": _reproducer.to_saveable(batch, dropped, "batch"),
+        "call": (None if call is None else
+                 {"args": _reproducer.to_saveable(list(call[0]), dropped, "args"),
+                  "kwargs": _reproducer.to_saveable(call[1], dropped, "kwargs")}),
+        "dropped": dropped,
+        "optimizer_state": None if optimizer is None else _reproducer.to_saveable(optimizer.state_dict()),
+        "optimizer_class": "" if optimizer is None else f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+        "optimizer_params": None if optimizer is None else [[names.get(id(p), "") for p in g["params"]]
+                                                            for g in optimizer.param_groups],
+        "scaler_state": scaler_state,
+        "scaler_device": None if scaler is None else scaler.device,
+        "rng": inputs.rng or rng_state(device_type),
+        "precision": precision,
+        "source": source,
+        "model_class": f"{type(local).__module__}.{type(local).__qualname__}",
+        "hf_config": hf_config(model),
+        "torch_version": str(torch.__version__),
+    }
+
+
+def copy_without_hooks(model: nn.Module, keep: object, handles: Sequence[tuple[str, Any]]) -> nn.Module:
+    """A deep copy of the local module without the watch's forward hooks (``keep`` is not copied)."""
+    local = local_module(model)
+    clone = copy.deepcopy(local, {id(keep): keep})
+    prefix = "module." if local is not model else ""
+    mods = dict(clone.named_modules())
+    for mod_name, h in handles:
+        name = mod_name[len(prefix):] if prefix and mod_name.startswith(prefix) else mod_name
+        m = mods.get(name)
+        if m is not None:
+            for d in (m._forward_pre_hooks, m._forward_pre_hooks_with_kwargs):
+                d.pop(h.id, None)
+    return clone
+
+
+__all__ = ["StepInputs", "build_payload", "copy_without_hooks", "hf_config", "local_module", "precision_settings",
+           "rng_state"]

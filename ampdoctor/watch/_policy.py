@@ -1,0 +1,141 @@
+"""What a watch does with an anomaly: write a reproducer, replay it in process, then warn, raise or skip.
+
+Order matters for fault isolation: the reproducer and the replay are extras; when either fails (a full disk,
+a model that cannot be copied) it is logged once and the user's decision — ``raise`` or ``skip`` — still
+happens. Memory is bounded: a window of the latest anomalies plus per-kind counters.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampdoctor.findings._types import Report
+from ampdoctor.watch import _reproducer
+from ampdoctor.watch._detectors import WINDOW, Detection
+from ampdoctor.watch._options import AnomalyError, WatchOptions
+from ampdoctor.watch._payload import StepInputs
+from ampdoctor.watch._sinks import Sinks
+
+log = logging.getLogger("ampdoctor.watch")
+
+#: kinds whose optimizer step ``on_anomaly="skip"`` drops
+SKIPPABLE = ("nonfinite-loss", "nonfinite-grads", "grad-spike")
+
+
+@dataclass(frozen=True)
+class Anomaly:
+    detection: Detection
+    #: detected before the optimizer wrote the step's update (the model's state is the step's pre-step state)
+    pre_step: bool
+    #: the weights are untouched by this step (pre-step, or GradScaler skipped it): safe to replay
+    clean_state: bool
+    inputs: StepInputs
+
+
+class AnomalyPolicy:
+    """Applies ``on_anomaly`` (and the op-level replay of ``locate``) to each anomaly."""
+
+    def __init__(self, options: WatchOptions, sinks: Sinks, *, payload: Callable[[Anomaly], dict[str, Any]],
+                 copy_model: Callable[[], nn.Module], skip_step: Callable[[], None]) -> None:
+        self.options = options
+        self.sinks = sinks
+        self._payload = payload
+        self._copy_model = copy_model
+        self._skip_step = skip_step
+        self.kinds_seen: set[str] = set()
+        self.counts: Counter[str] = Counter()
+        self.recent: deque[dict[str, Any]] = deque(maxlen=WINDOW)
+        self.reproducers: list[str] = []
+        self.replay_report: Report | None = None
+        self.replay_error: str | None = None
+        self.replay_note: str | None = None
+        self.skipped_by_guard = 0
+        self.deferred: AnomalyError | None = None
+        self._writer_broken = False
+
+    @property
+    def locates(self) -> bool:
+        return self.options.on_anomaly == "replay" or self.options.locate
+
+    def handle(self, a: Anomaly, *, can_raise: bool) -> None:
+        o, d = self.options, a.detection
+        first = d.kind not in self.kinds_seen
+        self.kinds_seen.add(d.kind)
+        self.counts[d.kind] += 1
+        path = self._extras(a) if first else None
+        self.recent.append({"kind": d.kind, "step": d.record.step, "message": d.message, "reproducer": path})
+        text = f"ampdoctor.watch: {d.message}" + (f" Reproducer: {path}" if path else "")
+        if o.on_anomaly == "raise":
+            err = AnomalyError(text, kind=d.kind, step=d.record.step, reproducer=path)
+            if can_raise:
+                raise err
+            if self.deferred is None:
+                self.deferred = err
+            return
+        if o.on_anomaly == "skip" and a.pre_step and d.kind in SKIPPABLE:
+            self._skip_step()
+            self.skipped_by_guard += 1
+            text += " The optimizer step was skipped (gradients set to None)."
+        self.sinks.anomaly(text, first=first)
+
+    def _extras(self, a: Anomaly) -> str | None:
+        """Reproducer and replay of the first anomaly of a kind; their failures never stop the decision."""
+        o = self.options
+        replay = self.locates and self.replay_report is None
+        if o.reproducer_dir is None and not replay:
+            return None
+        try:
+            payload = self._payload(a)
+        except Exception as exc:  # noqa: BLE001 - the decision (raise/skip) must still happen
+            log.warning("ampdoctor.watch: recording step %d failed (%s: %s); no reproducer or replay for it",
+                        a.detection.record.step, type(exc).__name__, exc)
+            return None
+        path = self._write(payload, a) if o.reproducer_dir is not None else None
+        if replay:
+            if a.clean_state:
+                self._replay(payload, path)
+            elif self.replay_note is None:
+                self.replay_note = (f"step {a.detection.record.step} was not replayed: its {a.detection.kind} was "
+                                    "seen after the optimizer had written the update, so the recorded state is "
+                                    "already the corrupted one; call w.step(loss) before optimizer.step()")
+        return path
+
+    def _write(self, payload: dict[str, Any], a: Anomaly) -> str | None:
+        if self._writer_broken:
+            return None
+        d = a.detection
+        try:
+            path = _reproducer.save_reproducer(payload, str(self.options.reproducer_dir),
+                                               f"step{d.record.step:06d}-{d.kind}.pt")
+        except Exception as exc:  # noqa: BLE001 - e.g. a full disk: warn once, keep deciding
+            self._writer_broken = True
+            log.warning("ampdoctor.watch: writing the reproducer failed (%s: %s); no more reproducers are written, "
+                        "the watch goes on", type(exc).__name__, exc)
+            return None
+        self.reproducers.append(path)
+        return path
+
+    def _replay(self, payload: dict[str, Any], path: str | None) -> None:
+        try:
+            with torch.enable_grad():   # may run inside optimizer.step(), which disables grad
+                report = _reproducer.replay_payload(payload, self._copy_model, origin=path or "")
+        except Exception as exc:  # noqa: BLE001 - a failed replay must not stop training
+            self.replay_error = f"{type(exc).__name__}: {exc}"
+            log.warning("ampdoctor.watch: replaying step %d failed (%s); the watch goes on", payload["step"],
+                        self.replay_error)
+            return
+        self.replay_report = report
+        root = report.root_cause
+        if root is not None:
+            log.warning("ampdoctor.watch: replay of step %d: %s in %s (%s, %s)", payload["step"], root.code,
+                        root.module or "<root>", root.op or "op unknown", root.phase)
+
+
+__all__ = ["Anomaly", "AnomalyPolicy", "SKIPPABLE"]

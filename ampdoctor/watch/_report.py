@@ -1,0 +1,66 @@
+"""The watch's :class:`Report`: its own findings (``_rules``) merged with a replay's, and a bounded summary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ampdoctor.findings._types import Report
+from ampdoctor.watch import _rules
+from ampdoctor.watch._payload import precision_settings
+from ampdoctor.watch._policy import AnomalyPolicy
+from ampdoctor.watch._record import Coverage
+from ampdoctor.watch._steps import StepTracker
+
+
+def precision_of(t: StepTracker) -> dict[str, Any]:
+    params = [p for _, p in t.params.trainable] or list(t.model.parameters())
+    return precision_settings(t.autocast, params)
+
+
+def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) -> Report:
+    recs = t.records
+    coverage = t.coverage
+    if coverage is None:   # still measuring: a provisional verdict on what was seen so far
+        never = tuple(n for n, p in t.params.trainable if id(p) not in t.cov_seen) if t.cov_steps else ()
+        coverage = Coverage(t.cov_steps, never, (), t.params.not_in_optimizer)
+    s = t.state
+    cur = t.it.record       # the open step: checked (and maybe stopped by "raise") but not closed
+    seen = recs + [cur] if cur.nonfinite_params or cur.loss is not None else recs
+    own = (_rules.collapse_findings(recs, t.options.collapse_steps, s.backoff)
+           + _rules.nonfinite_findings(seen, t.params.owners)
+           + _rules.coverage_findings(coverage, t.params.owners, ddp=t.ddp_strict)
+           + _rules.low_precision_findings(s.lost if t.params.low else None, t.params.owners))
+    findings = _rules.merge_replay(own, policy.replay_report)
+    tail = recs[-64:]
+    precision = precision_of(t)
+    h = s.health
+    summary: dict[str, Any] = {
+        "source": "watch",
+        "steps": t.n_steps,
+        "skipped_steps": h.skipped,
+        "steps_skipped_by_watch": policy.skipped_by_guard,
+        "losses": [r.loss for r in tail if r.loss is not None],
+        "grad_norms": [r.grad_norm for r in tail if r.grad_norm is not None],
+        "loss_scales": [r.scale for r in tail if r.scale is not None],
+        "grad_spikes": list(s.spikes),
+        "grad_spike_count": s.n_spikes,
+        "anomalies": list(policy.recent),
+        "anomaly_counts": dict(policy.counts),
+        "reproducers": list(policy.reproducers),
+        "coverage_steps": coverage.steps,
+        "precision": precision["name"],
+        "precision_settings": precision,
+        "on_anomaly": t.options.on_anomaly,
+        "disabled": disabled,
+    }
+    if policy.replay_report is not None:
+        summary["replay"] = {"source": policy.replay_report.source, "summary": policy.replay_report.summary}
+    if policy.replay_error is not None:
+        summary["replay_error"] = policy.replay_error
+    if policy.replay_note is not None:
+        summary["replay_note"] = policy.replay_note
+    layers = policy.replay_report.layers if policy.replay_report is not None else ()
+    return Report(tuple(findings), precision["name"], summary, layers, t.options.source or "watch")
+
+
+__all__ = ["build_report", "precision_of"]
