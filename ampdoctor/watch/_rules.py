@@ -245,7 +245,7 @@ def merge_replay(own: Sequence[Finding], replay: Report | None) -> list[Finding]
                                                 f"{origin.module or '<root>'} ({origin.op or 'op unknown'}).")
         if (f.code, f.module, f.op, f.phase) not in keys:
             mine.append(f)
-    if any(f.module or f.op for f in replay.findings):
+    if explained or any(f.module or f.op for f in replay.findings):
         return list(replay.findings) + order(mine)
     return order(mine) + list(replay.findings)
 
