@@ -19,7 +19,7 @@ import torch
 import torch._dynamo
 from torch import nn
 
-from ampdoctor.precision._runner import LOW_DTYPES, _device_of, _precision_context, call_model
+from ampdoctor.precision._step import LOW_DTYPES, _precision_context, call_model, device_of
 from ampdoctor.trace import iter_tensors
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def compare_compiled(model: nn.Module, batch: Any, precision: str, policy: str =
     for tf in transforms:
         tf(m, None, None)
     m.eval()
-    device = _device_of(m)
+    device = device_of(m)
     why = compile_unavailable(device)
     if why is not None:
         return {"verdict": "unavailable", "reason": why}

@@ -22,14 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.precision._runner import (
-    LOW_DTYPES,
-    RunResult,
-    _device_of,
-    _NoAutocast,
-    _precision_context,
-)
-from ampdoctor.precision._spec import PRECISIONS, ScenarioError
+from ampdoctor.precision._runner import RunResult
+from ampdoctor.precision._spec import ScenarioError
+from ampdoctor.precision._step import LOW_DTYPES, _gemm_context, _NoAutocast, _precision_context, device_of
 from ampdoctor.trace import Trace, TraceResult, iter_tensors
 
 log = logging.getLogger(__name__)
@@ -38,6 +33,8 @@ log = logging.getLogger(__name__)
 NOISE_MARGIN_RMS = 4.0
 #: ... and the step's logits stay within this relative RMS error of the reference (beyond it: precision loss)
 NOISE_REL_ERR = 0.1
+#: precisions a generation can be diagnosed in (fp8 emulation keeps per-step scales a decode loop does not model)
+GENERATION_PRECISIONS: tuple[str, ...] = ("fp16", "bf16", "fp16-amp", "bf16-amp")
 _FIELDS = ("ref_token", "target_token", "ref_margin", "target_gap", "logit_err", "logit_rms", "finite",
            "cache_finite")
 
@@ -127,20 +124,19 @@ class _Side:
             for transform in transforms:
                 transform(self.model, None, None)
         self.model.eval()
-        self.device = _device_of(self.model)
+        self.device = device_of(self.model)
+        self.policy = policy
         params = inspect.signature(self.model.forward).parameters
         self.cache_kw = next((k for k in ("cache", "past_key_values") if k in params), None)
         self.use_cache_kw = "use_cache" in params
         self.cache: Any = None
         self.amp = contextlib.nullcontext() if reference else _precision_context(precision, self.device, policy)
-        self.fp8: Any = contextlib.nullcontext()
-        if not reference and precision is not None and precision.startswith("fp8"):
-            from ampdoctor.precision.fp8 import Fp8Recipe, fp8_autocast
 
-            fmt = {"fp8": "hybrid", "fp8-e4m3": "e4m3", "fp8-e5m2": "e5m2"}[precision]
-            self.fp8 = fp8_autocast(self.model, Fp8Recipe(format=fmt))
+    def gemm(self) -> Any:
+        """CUDA's GEMM numerics off-GPU for the target (entered below a trace, as the step runner does)."""
+        return contextlib.nullcontext() if self.reference else _gemm_context(self.precision, self.device, self.policy)
 
-    def step(self, new_ids: torch.Tensor, all_ids: torch.Tensor) -> torch.Tensor:
+    def step(self, new_ids: torch.Tensor, all_ids: torch.Tensor, gemm: bool = True) -> torch.Tensor:
         """Feed ``new_ids`` (the cache holds the rest of ``all_ids``); the last position's logits."""
         kw: dict[str, Any] = {}
         if self.cache_kw is not None:
@@ -151,7 +147,7 @@ class _Side:
         if self.use_cache_kw:
             kw["use_cache"] = self.cache_kw is not None
         no_autocast = _NoAutocast(self.device.type) if self.reference else contextlib.nullcontext()
-        with torch.no_grad(), no_autocast, self.amp:
+        with self.gemm() if gemm else contextlib.nullcontext(), torch.no_grad(), no_autocast, self.amp:
             out = self.model(input_ids=ids, **kw)
         if self.cache_kw is not None:
             self.cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
@@ -193,8 +189,8 @@ def validate(model: Any, input_ids: Any, precision: str | None, max_new_tokens: 
     """Raise :class:`ScenarioError` (what to pass) before anything runs."""
     if not isinstance(model, nn.Module):
         raise ScenarioError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if precision not in PRECISIONS or precision is None:
-        allowed = ", ".join(repr(p) for p in PRECISIONS if p is not None)
+    if precision not in GENERATION_PRECISIONS:
+        allowed = ", ".join(repr(p) for p in GENERATION_PRECISIONS)
         raise ScenarioError(f"invalid precision {precision!r} for a generation, expected one of {allowed}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point() or input_ids.dim() != 2:
         raise ScenarioError("input_ids must be an integer tensor of shape (1, prompt_len), e.g. "
@@ -227,20 +223,19 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, precision: str, max_n
     cache_records: set[int] = set()
     last = max_new_tokens - 1 if trace_step is None else min(trace_step, max_new_tokens - 1)
     try:
-        with tgt.fp8:
-            for step in range(last + 1):
-                if step == trace_step:
-                    r_logits, r_run, _ = _traced(ref, new, ids)
-                    t_logits, t_run, cache_records = _traced(tgt, new, ids)
-                    traced = (t_run, r_run)
-                else:
-                    r_logits = ref.step(new, ids)
-                    t_logits = tgt.step(new, ids)
-                nxt, row = _compare(r_logits, t_logits, _cache_ok(tgt))
-                rows.append(row)
-                tokens.append(nxt)
-                new = nxt.to(ids.dtype)
-                ids = torch.cat([ids, new], dim=1)
+        for step in range(last + 1):
+            if step == trace_step:
+                r_logits, r_run, _ = _traced(ref, new, ids)
+                t_logits, t_run, cache_records = _traced(tgt, new, ids)
+                traced = (t_run, r_run)
+            else:
+                r_logits = ref.step(new, ids)
+                t_logits = tgt.step(new, ids)
+            nxt, row = _compare(r_logits, t_logits, _cache_ok(tgt))
+            rows.append(row)
+            tokens.append(nxt)
+            new = nxt.to(ids.dtype)
+            ids = torch.cat([ids, new], dim=1)
         cache_name = type(tgt.cache).__name__ if tgt.cache is not None else ""
     finally:
         ref.close()
@@ -265,9 +260,9 @@ def _traced(side: _Side, new: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Te
     result.owners = {names[i]: owners[i] for i in names}
     result.param_dtypes = {names.get(id(p), ""): str(p.dtype).replace("torch.", "") for p in side.model.parameters()}
     result.keep_fp32 = list(getattr(side.model, "_keep_in_fp32_modules", None) or [])
-    with tr:
+    with side.gemm(), tr:  # the GEMM emulation below the trace, so the trace records the GEMMs in their dtype
         tr.set_step(0)
-        logits = side.step(new, ids)
+        logits = side.step(new, ids, gemm=False)
         tr.mark("output", logits)
         cache = [i for t in cache_tensors(side.cache) if (i := tr.index_of(t)) is not None]
     result.trace = tr.result()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.precision._runner import LOW_DTYPES, _device_of, _NoAutocast, _precision_context, call_model
+from ampdoctor.precision._step import LOW_DTYPES, _gemm_context, _NoAutocast, _precision_context, call_model, device_of
 from ampdoctor.trace import dtype_limits, iter_tensors
 
 
@@ -77,10 +77,11 @@ def position_profile(model: nn.Module, batch: dict[str, Any], *, precision: str 
         for tf in transforms:
             tf(m, None, None)
     m.eval()
-    device = _device_of(m)
+    device = device_of(m)
     amp = contextlib.nullcontext() if reference else _precision_context(precision, device, policy)
     no_autocast = _NoAutocast(device.type) if reference else contextlib.nullcontext()
-    with _Profile(m, seq_len) as prof, torch.no_grad(), no_autocast, amp:
+    gemm = contextlib.nullcontext() if reference else _gemm_context(precision, device, policy)
+    with gemm, _Profile(m, seq_len) as prof, torch.no_grad(), no_autocast, amp:
         call_model(m, batch)
     return prof.read()
 
