@@ -5,7 +5,7 @@
 >>> write_json(report, "report.json")            # doctest: +SKIP
 >>> write_html(report, "report.html")            # doctest: +SKIP
 
-The terminal renderer needs ``ampdoctor[cli]`` (rich), the HTML one ``ampdoctor[html]`` (jinja2, plotly); both
+The terminal renderer needs ``ampdoctor[cli]`` (rich), the HTML one ``ampdoctor[html]`` (jinja2); both
 import them only when called. JSON needs nothing beyond the standard library.
 """
 

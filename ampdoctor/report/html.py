@@ -3,10 +3,11 @@
 >>> from ampdoctor.report import write_html
 >>> write_html(report, "report.html")            # doctest: +SKIP
 
-Needs ``pip install ampdoctor[html]`` (jinja2, plotly); imported when a function is called. The plotly.js bundle
-of the installed plotly package is inlined (about 5 MB), nothing is fetched from the network. Model-supplied
-strings go through jinja2 autoescaping; the figure data sits in a ``<script type="application/json">`` element
-with ``<``, ``>`` and ``&`` written as ``\\uXXXX`` escapes, so a module named ``</script>`` cannot end it.
+Needs ``pip install ampdoctor[html]`` (jinja2); imported when a function is called. The figures are inline SVG
+drawn by :mod:`ampdoctor.report._svg` (hover tooltips, legend toggles), so a report is a few hundred kilobytes
+and nothing is fetched from the network. Model-supplied strings go through jinja2 autoescaping, and the SVG writer
+escapes its own text and attributes, so a module named ``</script>`` is shown, never run. The one script is a
+dozen lines that toggle legend entries; without it the figures and their tooltips still work.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ from __future__ import annotations
 import html as _html
 import math
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ampdoctor.findings._types import Report
 from ampdoctor.report import _format as F
+from ampdoctor.report._svg import figure_svg
 from ampdoctor.report.jsonio import _write_atomic
 
 _LEGEND = {"orientation": "h", "x": 0, "xanchor": "left", "y": -0.22, "yanchor": "top"}
@@ -85,15 +86,7 @@ def _import(name: str) -> Any:
     try:
         return __import__(name)
     except ImportError as e:
-        raise ImportError(f"the HTML report needs {name}: pip install 'ampdoctor[html]' (jinja2, plotly)") from e
-
-
-def _plotlyjs() -> str:
-    _import("plotly")
-    from plotly.offline import get_plotlyjs
-
-    # The bundle holds no "</script" today; if a later one does, "<\/script" means the same inside a JS string.
-    return re.sub(r"</(script)", r"<\\/\1", get_plotlyjs(), flags=re.IGNORECASE)
+        raise ImportError(f"the HTML report needs {name}: pip install 'ampdoctor[html]' (jinja2)") from e
 
 
 def _context(report: Report) -> dict[str, Any]:
@@ -117,6 +110,7 @@ def _context(report: Report) -> dict[str, Any]:
     if F.scale_text(summary):
         facts.append(("loss scale", F.scale_text(summary)))
     counts = {sev: sum(f.severity == sev for f in report.findings) for sev in ("error", "warning", "info")}
+    figs = figures(report)
     return {
         "report": report,
         "root": report.root_cause,
@@ -125,8 +119,8 @@ def _context(report: Report) -> dict[str, Any]:
         "tally": ", ".join(f"{n} {sev}{'s' if n != 1 else ''}" for sev, n in counts.items() if n) or "no findings",
         "chain": F.chain(report),
         "rows": rows,
-        "figures_json": F.safe_json_for_script(figures(report)),
-        "plotlyjs": _plotlyjs(),
+        # the range plot's tooltips say everything about a layer; the error plot's name it (the bytes add up)
+        "svgs": {fig["id"]: figure_svg(fig, None if fig["id"] != "plot-error" else 1) for fig in figs},
     }
 
 
