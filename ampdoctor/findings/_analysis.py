@@ -12,13 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 from ampdoctor.findings._common import (
     ALIAS_OPS,
-    BOUNDED,
+    BOUNDS,
     CANCEL_OPS,
     CASTS,
     LOW,
-    MATMULS_A0,
-    MATMULS_A1,
-    ROW_OPS,
     all_zero,
     counts_known,
     dtype_name,
@@ -31,11 +28,12 @@ from ampdoctor.findings._common import (
     unit_roundoff,
 )
 from ampdoctor.findings._graph import alias_closure
-from ampdoctor.trace import OpRecord
+from ampdoctor.trace import Kind, OpRecord, Reduces, op_info, ops_with
 
 if TYPE_CHECKING:
     from ampdoctor.findings._context import Context
 
+PERIODIC_OPS = ops_with(Kind.PERIODIC)
 #: a tolerance never exceeds this relative error, whatever the reduction length
 TOL_CAP = 0.1
 #: tolerance factor on sqrt(K) * u
@@ -47,7 +45,7 @@ def saturated_records(ctx: Context) -> list[tuple[OpRecord, OpRecord, float, flo
     ``(record, reference, target fraction, reference fraction)``."""
     out = []
     for r in ctx.records:
-        if r.kind != "op" or r.phase != "forward" or op_base(r.op) not in BOUNDED or not is_low(r.dtype):
+        if r.kind != "op" or r.phase != "forward" or op_base(r.op) not in BOUNDS or not is_low(r.dtype):
             continue
         s = r.stats
         n = s.get("numel", 0)
@@ -146,20 +144,21 @@ def underflow_origins(ctx: Context) -> list[tuple[OpRecord, float, float, dict[s
 def reduction_length(ctx: Context, r: OpRecord) -> int:
     """K, the number of terms each output element sums (1 for element-wise ops)."""
     base = op_base(r.op)
+    reduces = op_info(base).reduces
     recs = ctx.records
     ins = [recs[i] for i in r.inputs if i >= 0]
     try:
-        if base in MATMULS_A0 and ins:
+        if reduces is Reduces.INNER_0 and ins:
             return max(1, int(ins[0].shape[-1]))
-        if base in MATMULS_A1 and len(ins) >= 2:
+        if reduces is Reduces.INNER_1 and len(ins) >= 2:
             return max(1, int(ins[1].shape[-1]))
-        if base in ("convolution", "_convolution", "conv2d", "conv1d") and len(ins) >= 2:
+        if reduces is Reduces.KERNEL and len(ins) >= 2:
             return max(1, math.prod(ins[1].shape[1:]))
-        if "scaled_dot_product" in base and len(ins) >= 2:
+        if "scaled_dot_product" in base and len(ins) >= 2:  # every SDPA kernel, forward and backward: d + L terms
             return max(1, int(ins[0].shape[-1]) + int(ins[1].shape[-2]))
-        if base in ROW_OPS and r.shape:
+        if reduces is Reduces.ROW and r.shape:
             return max(1, int(r.shape[-1]))
-        if base in ("sum", "mean", "var", "std", "var_mean", "linalg_vector_norm", "norm", "prod", "amax") and ins:
+        if reduces is Reduces.RATIO and ins:
             n_in = math.prod(ins[0].shape) or 1
             n_out = math.prod(r.shape) or 1
             return max(1, n_in // n_out)
@@ -221,9 +220,10 @@ def _noise_level_reference(ctx: Context, r: OpRecord, ref: OpRecord, k: int) -> 
     ins = [ctx.records[i] for i in r.inputs if i >= 0]
     if not ins:
         return False
-    if base in MATMULS_A0 and len(ins) >= 2:
+    reduces = op_info(base).reduces
+    if reduces is Reduces.INNER_0 and len(ins) >= 2:
         scale = ins[0].stats.get("absmax", 0.0) * ins[1].stats.get("absmax", 0.0)
-    elif base in MATMULS_A1 and len(ins) >= 3:
+    elif reduces is Reduces.INNER_1 and len(ins) >= 3:
         scale = max(ins[0].stats.get("absmax", 0.0), ins[1].stats.get("absmax", 0.0) * ins[2].stats.get("absmax", 0.0))
     elif base in CANCEL_OPS:
         scale = max(x.stats.get("absmax", 0.0) for x in ins)
@@ -238,7 +238,7 @@ def trig_buffer_sources(ctx: Context) -> list[tuple[OpRecord, OpRecord]]:
     recs = ctx.records
     out: list[tuple[OpRecord, OpRecord]] = []
     for r in recs:
-        if r.kind != "op" or r.phase != "forward" or op_base(r.op) not in ("sin", "cos") or r.step != 0:
+        if r.kind != "op" or r.phase != "forward" or op_base(r.op) not in PERIODIC_OPS or r.step != 0:
             continue
         out.extend((r, x) for x in feeders(recs, r, 10)
                    if x.kind == "input" and is_low(x.dtype) and x.stats.get("numel", 0) > 1)

@@ -1,4 +1,5 @@
-"""What every rule shares: names of ops and dtypes, statistics predicates, wording, evidence and the common fixes.
+"""What every rule shares: the op and dtype facts it reads (from the registries in ``ampdoctor.trace``),
+statistics predicates, wording, evidence and the common fixes.
 
 Rules import this module; it imports nothing from the rules, so the rule modules form no cycle.
 """
@@ -13,73 +14,51 @@ from typing import Any
 import torch
 
 from ampdoctor.findings._types import FixProposal
-from ampdoctor.trace import OpRecord, dtype_limits
+from ampdoctor.trace import (
+    DTYPES,
+    OPS,
+    Bound,
+    Kind,
+    OpRecord,
+    dtype_info,
+    dtype_limits,
+    dtype_name,
+    op_base,
+    ops_with,
+    unit_roundoff,
+)
 from ampdoctor.trace._lineage import is_nonfinite
 
-LOW = {"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
-
-#: ops whose output holds (a subset of) the values of their input: a zero or a bound passes through unchanged.
-ALIAS_OPS = {
-    "detach", "alias", "view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "permute", "expand",
-    "squeeze", "unsqueeze", "clone", "contiguous", "select", "slice", "as_strided", "lift_fresh", "unfold",
-    "flatten", "narrow", "split", "split_with_sizes", "chunk", "unbind", "cat", "stack",
-}
-#: bounded activations: their backward op, and what the bound means
-BOUNDED = {
-    "tanh": ("tanh_backward", "±1"),
-    "sigmoid": ("sigmoid_backward", "0 or 1"),
-    "_softmax": ("_softmax_backward_data", "1"),
-    "softmax": ("_softmax_backward_data", "1"),
-}
-CASTS = {"_to_copy", "to", "_to_copy_", "copy_"}
-MATMULS_A0 = {"mm", "bmm", "matmul", "linear", "_scaled_mm"}   # reduction length = inputs[0].shape[-1]
-MATMULS_A1 = {"addmm", "baddbmm", "addbmm", "addmv"}           # inputs[1].shape[-1]
-ROW_OPS = {"_softmax", "softmax", "_log_softmax", "log_softmax", "native_layer_norm", "cumsum", "logsumexp",
-           "_safe_softmax", "native_group_norm"}
-CANCEL_OPS = {"sub", "add", "rsub", "addcmul", "addcdiv", "sum", "mean", "var", "lerp"}
+#: the low-precision formats (the dtype table's ``low_precision``: fp16, bf16 and the fp8 formats)
+LOW = frozenset(name for name, info in DTYPES.items() if info.low_precision)
+#: ops whose output holds (a subset of) the values of their inputs: a zero or a bound passes through unchanged
+ALIAS_OPS = ops_with(Kind.VIEW) | ops_with(Kind.COPY) | ops_with(Kind.JOIN)
+#: ops whose output holds the values of their first input, unchanged (repeated at most)
+SAME_VALUE_OPS = ops_with(Kind.SAME_ELEMENTS) | ops_with(Kind.REPEATS)
+#: bounded activations by name: their backward op and what the bound means
+BOUNDS: dict[str, Bound] = {name: info.bound for name, info in OPS.items() if info.bound is not None}
+CASTS = ops_with(Kind.CAST)
+CANCEL_OPS = ops_with(Kind.CANCELLING)
 
 
 # ---------------------------------------------------------------------------------------------------- names
-_DTYPES = {str(d).replace("torch.", ""): d for d in (
-    torch.float16, torch.bfloat16, torch.float32, torch.float64,
-    *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)))}
-
-
-def dtype_name(d: torch.dtype | str) -> str:
-    return str(d).replace("torch.", "")
-
-
 def limits(d: torch.dtype | str) -> tuple[float, float, float]:
-    dt = _DTYPES.get(dtype_name(d)) if isinstance(d, str) else d
-    if dt is None:
+    """``(max, smallest normal, smallest subnormal)``; ``(inf, 0, 0)`` for a name that is no floating format."""
+    if not isinstance(d, str):
+        return dtype_limits(d)
+    info = dtype_info(d)
+    if info is None:
         return math.inf, 0.0, 0.0
-    return dtype_limits(dt)
-
-
-def op_base(op: str) -> str:
-    """``"aten.mm.default"`` -> ``"mm"``."""
-    parts = op.split(".")
-    return parts[1] if len(parts) > 1 else op
+    return info.max, info.smallest_normal, info.smallest_subnormal
 
 
 def is_low(dtype: torch.dtype | str) -> bool:
     return dtype_name(dtype) in LOW
 
 
-def unit_roundoff(dtype: torch.dtype | str) -> float:
-    """u = half the spacing of the dtype at 1: fp16 2**-11, bf16 2**-8, fp32 2**-24, e4m3 2**-4, e5m2 2**-3."""
-    name = dtype_name(dtype)
-    try:
-        dt = getattr(torch, name)
-        return float(torch.finfo(dt).eps) / 2
-    except (AttributeError, TypeError):
-        return 2.0 ** -24
-
-
 def spacing_below_one(dtype: torch.dtype | str) -> float:
     """Distance between 1 and the largest representable value below 1 (fp16: 2**-11, bf16: 2**-8)."""
     return unit_roundoff(dtype)
-
 
 
 # ---------------------------------------------------------------------------------------------------- statistics
@@ -193,3 +172,10 @@ def feeders(records: list[OpRecord], record: OpRecord, depth: int, follow: Any =
             nxt.extend(x.inputs)
         frontier = nxt
     return out
+
+
+__all__ = [
+    "ALIAS_OPS", "BOUNDS", "CANCEL_OPS", "CASTS", "LOW", "SAME_VALUE_OPS", "all_zero", "base_evidence", "bf16_fix",
+    "counts_known", "dtype_name", "feeders", "finite", "fmt", "group_by_owner", "is_low", "keep_fp32_fix", "limits",
+    "op_base", "rel", "spacing_below_one", "src_text", "unit_roundoff", "where",
+]

@@ -21,9 +21,9 @@ from ampdoctor.findings._common import (
 from ampdoctor.findings._context import Context, nan_record, reference_nonfinite
 from ampdoctor.findings._registry import RUN_END, SETUP_CRASH, SETUP_CRASHED_COVERAGE, SETUP_INPUT, Candidate, rule
 from ampdoctor.findings._types import Finding, FixProposal
-from ampdoctor.trace import OpRecord
+from ampdoctor.trace import Kind, OpRecord, ops_with
 
-SOFTMAX_OPS = {"_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax"}
+SOFTMAX_OPS = ops_with(Kind.SOFTMAX)
 
 
 def _out_of_range_constant(ctx: Context, r: OpRecord) -> float | None:

@@ -33,12 +33,12 @@ from ampdoctor.findings._common import (
 from ampdoctor.findings._context import Context
 from ampdoctor.findings._registry import RUN_END, Candidate, rule
 from ampdoctor.findings._types import Finding, FixProposal
-from ampdoctor.trace import OpRecord
+from ampdoctor.trace import Kind, OpRecord, ops_with
 
 #: ops whose result is the statistic of a norm (before the ``rsqrt``)
-NORM_STAT_OPS = {"pow", "mean", "var", "var_mean", "sum", "mul", "square", "linalg_vector_norm", "norm"}
+NORM_STAT_OPS = ops_with(Kind.NORM_STATISTIC)
 #: ops that turn a statistic into a scale
-NORM_SCALE_OPS = {"rsqrt", "sqrt", "reciprocal"}
+NORM_SCALE_OPS = ops_with(Kind.NORM_SCALE)
 #: an fp32 module "runs in half" when one of these ops in it has a low-precision output
 COMPUTE_SKIP = CASTS | ALIAS_OPS
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from ampdoctor.findings._common import op_base
+from ampdoctor.findings._common import SAME_VALUE_OPS, op_base
 
 if TYPE_CHECKING:
     from ampdoctor.findings._context import Context
@@ -18,8 +18,7 @@ def alias_closure(ctx: Context, seeds: Iterable[int]) -> set[int]:
         return out
     start = min(out)
     for r in ctx.records[start + 1:]:
-        if r.inputs and op_base(r.op) in ("detach", "alias", "view", "_unsafe_view", "t", "expand", "clone",
-                                           "contiguous", "reshape", "transpose", "permute"):
+        if r.inputs and op_base(r.op) in SAME_VALUE_OPS:
             if any(i in out for i in r.inputs):
                 out.add(r.index)
     return out

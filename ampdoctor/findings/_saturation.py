@@ -10,7 +10,7 @@ import math
 import torch
 
 from ampdoctor.findings._common import (
-    BOUNDED,
+    BOUNDS,
     base_evidence,
     dtype_name,
     fmt,
@@ -44,7 +44,7 @@ def saturation_threshold(op: str, dtype: torch.dtype | str) -> float:
 
 def _backward_of(ctx: Context, r: OpRecord) -> OpRecord | None:
     """The backward op of bounded record ``r`` (``tanh_backward`` reading r's saved output)."""
-    want = BOUNDED[op_base(r.op)][0]
+    want = BOUNDS[op_base(r.op)].backward
     aliases = alias_closure(ctx, [r.index])
     for b in ctx.records[r.index + 1:]:
         if b.phase == "backward" and b.step == r.step and op_base(b.op) == want and any(
@@ -75,7 +75,7 @@ def saturation(ctx: Context) -> list[Candidate]:
         ev = base_evidence(r)
         ev.update({
             "fraction_at_limit": ft, "ref_fraction_at_limit": fr, "n_at_limit": int(r.stats["n_at_limit"]),
-            "ref_n_at_limit": int(ref.stats["n_at_limit"]), "bound": BOUNDED[base][1],
+            "ref_n_at_limit": int(ref.stats["n_at_limit"]), "bound": BOUNDS[base].text,
             "spacing_below_1": spacing_below_one(r.dtype), "saturation_threshold": thr,
         })
         if inp is not None:
@@ -111,8 +111,8 @@ def saturation(ctx: Context) -> list[Candidate]:
         if inp is not None:
             in_txt = (f" Its input (from {inp.module or '<root>'}) reaches |x| = {fmt(inp.stats['absmax'])}"
                       + (f" (reference {fmt(ref_in.stats['absmax'])})" if ref_in is not None else "")
-                      + f"; in {dt} every |x| >= {thr:.4g} gives exactly {BOUNDED[base][1]}.")
-        expl = (f"{where(r)} returns exactly {BOUNDED[base][1]} for {ft:.1%} of its outputs in {dt} "
+                      + f"; in {dt} every |x| >= {thr:.4g} gives exactly {BOUNDS[base].text}.")
+        expl = (f"{where(r)} returns exactly {BOUNDS[base].text} for {ft:.1%} of its outputs in {dt} "
                 f"(fp32 reference: {fr:.1%}): {dt} has no value between 1 - {fmt(spacing_below_one(r.dtype))} "
                 f"and 1.{in_txt}")
         if bwd is not None and bwd_zero is not None:
@@ -139,7 +139,7 @@ def saturation(ctx: Context) -> list[Candidate]:
             "bfloat16 does not help here: its spacing below 1 is 2**-8, coarser than fp16's 2**-11"))
         out.append(Candidate(Finding(
             "saturation", severity, r.module, r.op, r.phase,  # type: ignore[arg-type]
-            f"{base} saturates to {BOUNDED[base][1]} in {dt} in {r.module or '<root>'}"
+            f"{base} saturates to {BOUNDS[base].text} in {dt} in {r.module or '<root>'}"
             + (": gradients below it are exactly zero" if dead else ""),
             expl, ev, tuple(fixes), r.step), r.index))
     return out

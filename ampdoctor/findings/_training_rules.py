@@ -5,13 +5,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from ampdoctor.findings._common import base_evidence, bf16_fix, dtype_name, fmt, limits, op_base, where
 from ampdoctor.findings._context import Context
 from ampdoctor.findings._registry import RUN_END, RUN_FP8_SCALES, RUN_PARAMS, SETUP_CRASH, Candidate, Order, rule
 from ampdoctor.findings._types import Finding, FixProposal
-from ampdoctor.trace import OpRecord
+from ampdoctor.trace import DTYPES, OpRecord
 
-LOW = {"float16", "bfloat16"}
+#: the 16-bit formats: parameters held in them lose small updates (fp8 parameters are fp8-scale's)
+HALF = frozenset(n for n, i in DTYPES.items() if i.low_precision and i.bits == 16)
 FP8 = {"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
 
 
@@ -36,7 +39,7 @@ def low_precision_params(ctx: Context) -> list[Candidate]:
     # 1) a harmful origin inside the optimizer step on low-precision parameters / state
     for o in ctx.harmful_origins():
         r = o.record
-        if r.phase != "optimizer" or dtype_name(r.dtype) not in LOW or not r.module:
+        if r.phase != "optimizer" or dtype_name(r.dtype) not in HALF or not r.module:
             continue
         if r.module in seen:
             continue
@@ -97,10 +100,7 @@ def low_precision_params(ctx: Context) -> list[Candidate]:
 
 
 def _round_to(x: float, dt: str) -> float:
-    import torch
-
-    d = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dt]
-    return float(torch.tensor(x, dtype=torch.float32).to(d).float())
+    return float(torch.tensor(x, dtype=torch.float32).to(DTYPES[dt].dtype).float())
 
 
 @rule("loss-scale-collapse", severity="error", precedence=35,

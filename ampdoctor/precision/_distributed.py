@@ -11,8 +11,8 @@ per diagnosis (no barrier), where each rank's own non-finite values started. A r
 reports the origin on the rank that produced them (the model is the same on every rank, so the module is named by
 its index in ``named_modules()`` and the op by a checksum of its name).
 
-Only torch is imported. Nothing here runs a collective except :func:`agree`, and :func:`agree` only runs for a
-model wrapped in DDP or FSDP (whose forward already needs every rank to take part).
+Only torch and the op registry are imported. Nothing here runs a collective except :func:`agree`, and
+:func:`agree` only runs for a model wrapped in DDP or FSDP (whose forward already needs every rank to take part).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from ampdoctor.trace import Kind, ops_with
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +130,7 @@ def copy_limitation(model: nn.Module) -> str | None:
 
 # ---------------------------------------------------------------------------------------------- lineage
 #: ops whose output is (a view of) their first input's memory: a collective's buffer keeps its role through them
-_VIEWS = frozenset({"view", "_unsafe_view", "reshape", "_reshape_alias", "split", "split_with_sizes", "chunk",
-                    "slice", "narrow", "as_strided", "select", "expand", "detach", "alias", "t", "transpose",
-                    "unsqueeze", "squeeze", "flatten", "unflatten", "permute"})
+_VIEWS = ops_with(Kind.VIEW)
 
 
 def _base(op: str) -> str:

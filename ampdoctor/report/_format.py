@@ -13,29 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ampdoctor.findings._types import FixProposal, Report
-
-#: Largest finite value per storage format (the value a result must stay under to not become inf).
-FORMAT_MAX: dict[str, float] = {
-    "float16": 65504.0,
-    "bfloat16": 3.3895313892515355e38,
-    "float32": 3.4028234663852886e38,
-    "float64": 1.7976931348623157e308,
-    "float8_e4m3fn": 448.0,
-    "float8_e4m3fnuz": 240.0,
-    "float8_e5m2": 57344.0,
-    "float8_e5m2fnuz": 57344.0,
-}
-
-_DTYPE_ALIASES = {
-    "half": "float16",
-    "fp16": "float16",
-    "bf16": "bfloat16",
-    "float": "float32",
-    "fp32": "float32",
-    "double": "float64",
-    "e4m3": "float8_e4m3fn",
-    "e5m2": "float8_e5m2",
-}
+from ampdoctor.trace import dtype_info
 
 #: Horizontal reference lines of the range plot: (label, value).
 RANGE_LINES: tuple[tuple[str, float], ...] = (
@@ -118,11 +96,14 @@ def canonical_dtype(dtype: Any) -> str:
     name = str(dtype or "").strip()
     if name.startswith("torch."):
         name = name[len("torch.") :]
-    return _DTYPE_ALIASES.get(name, name)
+    info = dtype_info(name)
+    return info.name if info is not None else name
 
 
 def format_max(dtype: Any) -> float | None:
-    return FORMAT_MAX.get(canonical_dtype(dtype))
+    """Largest finite value of the storage format (the value a result must stay under to not become inf)."""
+    info = dtype_info(canonical_dtype(dtype))
+    return info.max if info is not None else None
 
 
 # ---------------------------------------------------------------------------------------------------- layers

@@ -24,9 +24,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampdoctor.trace._dtypes import (
+    DTYPES,
+    FP8_DTYPES,
+    HEADROOM_FORMATS,
+    DTypeInfo,
+    dtype_info,
+    dtype_name,
+    unit_roundoff,
+)
 from ampdoctor.trace._lineage import Lineage, analyse_lineage, is_nonfinite
 from ampdoctor.trace._mode import OpRecord, RecordingMode, _key
 from ampdoctor.trace._modules import ModuleAttribution, iter_tensors
+from ampdoctor.trace._ops import OPS, Bound, Kind, OpInfo, Reduces, op_base, op_info, ops_with
 from ampdoctor.trace._stats import CHEAP_FIELDS, FULL_FIELDS, dtype_limits
 
 __all__ = [
@@ -38,6 +48,21 @@ __all__ = [
     "FULL_FIELDS",
     "CHEAP_FIELDS",
     "dtype_limits",
+    "DTYPES",
+    "DTypeInfo",
+    "FP8_DTYPES",
+    "HEADROOM_FORMATS",
+    "dtype_info",
+    "dtype_name",
+    "unit_roundoff",
+    "OPS",
+    "Bound",
+    "Kind",
+    "OpInfo",
+    "Reduces",
+    "op_base",
+    "op_info",
+    "ops_with",
     "iter_tensors",
     "is_nonfinite",
 ]

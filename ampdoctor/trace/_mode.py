@@ -17,6 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ampdoctor.trace._modules import ModuleAttribution
+from ampdoctor.trace._ops import Kind, ops_with
 from ampdoctor.trace._stats import (
     BOUNDED_OPS,
     CHEAP_FIELDS,
@@ -33,13 +34,10 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SKIP_DIRS = (_TORCH_DIR, _OUR_DIR, os.path.dirname(torch.nn.__file__))
 _current_node = torch._C._current_autograd_node
-#: ops whose output memory is uninitialised: never read (their statistics would describe garbage)
 #: ops whose single output holds exactly the elements of their first input: they reuse its statistics row
-ALIASES = frozenset({"view", "_unsafe_view", "t", "transpose", "permute", "detach", "alias", "reshape",
-                     "unsqueeze", "squeeze", "lift_fresh", "view_as", "flatten", "unflatten", "_reshape_alias",
-                     "clone", "contiguous"})
-UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-                           "empty_permuted"})
+ALIASES = ops_with(Kind.SAME_ELEMENTS)
+#: ops whose output memory is uninitialised: never read (their statistics would describe garbage)
+UNINITIALISED = ops_with(Kind.UNINITIALISED)
 
 
 class OpRecord:

@@ -11,6 +11,9 @@ from typing import Any
 
 import torch
 
+from ampdoctor.trace._dtypes import FP8_DTYPES, HEADROOM_FORMATS, dtype_limits
+from ampdoctor.trace._ops import OPS
+
 #: Full statistics, one float64 each. ``absmax``/``min_nonzero`` are over finite values only; ``n_at_max``
 #: counts values whose magnitude equals the dtype's largest finite value (clipped by a clamp or a saturating
 #: cast); ``n_subnormal`` counts nonzero finite values below the dtype's smallest normal; ``norm`` is the
@@ -33,19 +36,10 @@ FULL_FIELDS: tuple[str, ...] = (
 #: numbers tell both the range and whether anything is non-finite.
 CHEAP_FIELDS: tuple[str, ...] = ("min", "max")
 
-_FP8 = tuple(
-    getattr(torch, name)
-    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-    if hasattr(torch, name)
-)
+_FP8 = FP8_DTYPES
 
-#: Ops whose output is bounded; ``n_at_limit`` counts outputs that reached the bound exactly.
-BOUNDED_OPS: dict[str, str] = {
-    "tanh": "abs1",
-    "sigmoid": "01",
-    "_softmax": "1",
-    "softmax": "1",
-}
+#: Ops whose output is bounded (the op registry's bounds); ``n_at_limit`` counts outputs that reached it exactly.
+BOUNDED_OPS: dict[str, str] = {name: info.bound.stat for name, info in OPS.items() if info.bound is not None}
 
 
 class Scratch:
@@ -250,13 +244,8 @@ def lite_stats(t: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
     return _row(scratch, parts, None, dev)
 
 
-#: Flush thresholds per format (half the smallest subnormal: anything below rounds to zero), in this order.
-HEADROOM_FORMATS: tuple[tuple[str, float, float], ...] = (
-    ("fp16", 65504.0, 2.0 ** -25),
-    ("bf16", 3.3895313892515355e38, 2.0 ** -134),
-    ("e4m3", 448.0, 2.0 ** -10),
-    ("e5m2", 57344.0, 2.0 ** -17),
-)
+#: Flush thresholds per format (half the smallest subnormal: anything below rounds to zero), in this order:
+#: :data:`ampdoctor.trace._dtypes.HEADROOM_FORMATS`.
 
 
 def flush_counts(t: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
@@ -284,7 +273,5 @@ def cheap_stats(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.aminmax(t)
 
 
-def dtype_limits(dtype: torch.dtype) -> tuple[float, float, float]:
-    """``(max, smallest normal, smallest subnormal)`` of a floating dtype."""
-    fi = torch.finfo(dtype)
-    return float(fi.max), float(fi.tiny), float(fi.tiny) * float(fi.eps)
+__all__ = ["BOUNDED_OPS", "CHEAP_FIELDS", "FULL_FIELDS", "HEADROOM_FORMATS", "Scratch", "cheap_stats", "dtype_limits",
+           "flush_counts", "full_stats", "lite_stats"]

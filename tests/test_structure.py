@@ -1,0 +1,216 @@
+"""The package reads as its architecture: no import cycles, no upward imports, small modules and functions.
+
+Layers, lowest first (a module may import its own layer and the ones below; ``docs/architecture.md`` draws them):
+
+    0  errors, trace, scenarios   the base error; op-level observation and the op/dtype registries; demo models
+    1  precision                  the step runner: a step in a target precision next to an fp32 reference
+    2  findings, diagnose         rules, ranking and the diagnosis pipeline that runs them
+    3  fixes                      actions that change a model or setup, each re-verified (through diagnose)
+    4  watch                      the always-on guard, reproducers and their replay (through diagnose)
+    5  report                     terminal, JSON and HTML renderers of a Report
+    6  integrations               HF, Lightning, accelerate, script runner: thin adapters over watch
+    7  cli, ampdoctor (the root)  the command line and the public facade
+
+Imports inside functions count (a lazy import that goes upward or closes a cycle is the same design problem);
+imports under ``if TYPE_CHECKING:`` do not (they never run). Sizes: modules at most 500 lines, functions at most
+60 lines, unless the function carries a ``# long:`` comment saying why; :data:`LONG_ALLOWED` lists today's
+exceptions with the area that owns them, and only shrinks (an entry that is no longer needed is harmless, so
+splitting a function never breaks this test; the lead prunes the lists).
+"""
+
+from __future__ import annotations
+
+import ast
+import doctest
+import importlib
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "ampdoctor"
+
+LAYERS: dict[str, int] = {
+    "errors": 0, "trace": 0, "scenarios": 0,
+    "precision": 1,
+    "findings": 2, "diagnose": 2,
+    "fixes": 3,
+    "watch": 4,
+    "report": 5,
+    "integrations": 6,
+    "cli": 7, "": 7,
+}
+
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 60
+
+#: modules over the size limit today, with the area whose issue splits them (remove an entry once it is done)
+BIG_MODULES_ALLOWED: dict[str, str] = {
+    "fixes/_actions.py": "runner-fixes (issue 12.1/15)",
+    "fixes/_verify.py": "runner-fixes (issue 12.1/15)",
+    "watch/_guard.py": "watch (issue 12.4)",
+}
+
+#: functions over the size limit today without a ``# long:`` comment, with the owning area (only shrinks)
+LONG_ALLOWED: dict[str, str] = {
+    "findings/_fp32_rules.py:_declared": "core (issue 12.3)",
+    "findings/_fp32_rules.py:_rope": "core (issue 12.3)",
+    "findings/_precision_loss.py:precision_loss": "core (issue 12.3)",
+    "findings/_saturation.py:saturation": "core (issue 12.3)",
+    "findings/_training_rules.py:low_precision_params": "core (issue 12.3)",
+    "findings/_underflow.py:underflow": "core (issue 12.3)",
+    "precision/_distributed.py:agree": "core (issue 12.3: agreement moves to findings)",
+    "fixes/_verify.py:run_curve": "runner-fixes (issue 12.1)",
+    "fixes/_verify.py:_verify_plan": "runner-fixes (issue 12.1)",
+    "precision/_runner.py:run": "runner-fixes (issue 12.1)",
+    "precision/_spec.py:make_spec": "reliability (issue 16)",
+    "report/html.py:_range_figure": "perf (issue 18)",
+    "trace/_mode.py:RecordingMode.__torch_dispatch__": "perf (issue 18)",
+    "watch/_guard.py:Watch._setup": "watch (issue 12.4)",
+}
+
+#: modules whose docstring examples run as they are (``doctest``)
+DOCTEST_MODULES = (
+    "ampdoctor.errors",
+    "ampdoctor.trace._dtypes",
+    "ampdoctor.trace._ops",
+)
+
+
+def _modname(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+MODULES: dict[str, pathlib.Path] = {_modname(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _layer(mod: str) -> int:
+    top = mod.split(".")[1] if "." in mod else ""
+    assert top in LAYERS, f"{mod}: its package {top!r} has no layer in tests/test_structure.py LAYERS; add it"
+    return LAYERS[top]
+
+
+def _imports(path: pathlib.Path) -> list[tuple[str, int]]:
+    """``(module imported, line)`` for every ampdoctor module ``path`` imports, TYPE_CHECKING blocks excluded."""
+    out: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST) -> None:
+        for ch in ast.iter_child_nodes(node):
+            if isinstance(ch, ast.If) and isinstance(ch.test, ast.Name) and ch.test.id == "TYPE_CHECKING":
+                continue
+            if isinstance(ch, ast.Import):
+                out.extend((a.name, ch.lineno) for a in ch.names if a.name in MODULES)
+            elif isinstance(ch, ast.ImportFrom) and ch.module and ch.level == 0:
+                subs = [f"{ch.module}.{a.name}" for a in ch.names if f"{ch.module}.{a.name}" in MODULES]
+                if subs:  # ``from pkg import submodule``: the submodule is what is imported
+                    out.extend((s, ch.lineno) for s in subs)
+                elif ch.module in MODULES:
+                    out.append((ch.module, ch.lineno))
+            visit(ch)
+
+    visit(ast.parse(path.read_text()))
+    return out
+
+
+GRAPH: dict[str, list[tuple[str, int]]] = {m: _imports(p) for m, p in MODULES.items()}
+
+
+def test_no_upward_imports() -> None:
+    bad = [f"{m}:{line} imports {t} (layer {_layer(m)} -> {_layer(t)})"
+           for m, edges in GRAPH.items() for t, line in edges if _layer(t) > _layer(m)]
+    assert not bad, "a lower layer imports a higher one:\n" + "\n".join(bad)
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), package-to-own-submodule edges
+    excluded (a package ``__init__`` re-exporting its submodules is not a cycle)."""
+    def edges(m: str) -> list[str]:
+        return [t for t, _ in GRAPH[m] if t != m and not m.startswith(t + ".")]
+
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges(v):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for m in MODULES:
+        if m not in index:
+            strong(m)
+    return out
+
+
+def test_no_import_cycles() -> None:
+    assert _cycles() == []
+
+
+def test_the_cycle_detector_sees_a_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check can fail: a fake back edge findings._common -> findings._core_rules is reported."""
+    fake = dict(GRAPH)
+    fake["ampdoctor.findings._common"] = [*GRAPH["ampdoctor.findings._common"], ("ampdoctor.findings._core_rules", 1)]
+    monkeypatch.setattr(__import__(__name__, fromlist=["GRAPH"]), "GRAPH", fake)
+    assert any("ampdoctor.findings._common" in c and "ampdoctor.findings._core_rules" in c for c in _cycles())
+
+
+def _long_functions(path: pathlib.Path) -> list[tuple[str, int]]:
+    """``(qualified name, lines)`` of every function longer than the limit without a ``# long:`` comment."""
+    text = path.read_text()
+    lines = text.splitlines()
+    out: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for ch in ast.iter_child_nodes(node):
+            if isinstance(ch, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{ch.name}"
+                if not isinstance(ch, ast.ClassDef):
+                    first = min([ch.lineno, *(d.lineno for d in ch.decorator_list)])
+                    n = (ch.end_lineno or ch.lineno) - first + 1
+                    body = "\n".join(lines[first - 1:ch.end_lineno])
+                    if n > MAX_FUNCTION_LINES and "# long:" not in body:
+                        out.append((name, n))
+                visit(ch, name + ".")
+
+    visit(ast.parse(text), "")
+    return out
+
+
+def test_modules_are_small() -> None:
+    big = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in MODULES.values()}
+    over = {k: n for k, n in big.items() if n > MAX_MODULE_LINES and k not in BIG_MODULES_ALLOWED}
+    assert not over, f"modules over {MAX_MODULE_LINES} lines (split them by concept): {over}"
+
+
+def test_functions_are_short_or_say_why() -> None:
+    found = {f"{p.relative_to(ROOT)}:{name}": n for p in MODULES.values() for name, n in _long_functions(p)}
+    new = {k: n for k, n in found.items() if k not in LONG_ALLOWED}
+    assert not new, (f"functions over {MAX_FUNCTION_LINES} lines: split them, or add a '# long: why' comment "
+                     f"inside: {new}")
+
+
+@pytest.mark.parametrize("name", DOCTEST_MODULES)
+def test_doctests_run(name: str) -> None:
+    mod = importlib.import_module(name)
+    res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+    assert res.attempted > 0 and res.failed == 0, res
