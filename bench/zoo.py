@@ -37,7 +37,7 @@ from _zoo_families import FAMILIES, FAST, Built, loss_for  # noqa: E402
 from _zoo_inject import MECHANISMS, probe  # noqa: E402
 
 import ampdoctor  # noqa: E402
-from ampdoctor.precision._runner import call_model, default_loss  # noqa: E402
+from ampdoctor.precision import call_model, default_loss  # noqa: E402
 
 HEALTHY_PRECISIONS = ("fp16-amp", "bf16-amp", "bf16")
 log = logging.getLogger("zoo")
