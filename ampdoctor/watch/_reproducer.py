@@ -32,8 +32,12 @@ A reproducer is a ``dict`` holding only tensors, dicts, lists, tuples, strings, 
 ``source``, ``model_class``, ``torch_version``
     The scenario/script path when known (``""`` otherwise), the model's qualified class name, torch's version.
 
-The model's architecture is never pickled: :func:`replay` needs ``model_factory`` (or ``source`` pointing to a
-scenario file that defines ``make()``).
+``hf_config``
+    A Hugging Face model's ``config.to_dict()`` (``None`` otherwise): with ``model_class`` it rebuilds the
+    architecture without executing any code.
+
+The model's architecture is never pickled: :func:`replay` needs ``model_factory``, a recorded ``hf_config``, or
+``trust_source=True`` to import the recorded ``source`` (a scenario file that defines ``make()``).
 """
 
 from __future__ import annotations
@@ -239,25 +243,60 @@ def _set_step_rng(rng: Any) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
 
 
-def _replay(payload: dict[str, Any], model_factory: Callable[[], nn.Module] | None, loss_fn: Any,
-            train_step: Any, origin: str) -> Report:
-    scenario: dict[str, Any] = {}
-    if model_factory is None:
-        source = payload.get("source") or ""
-        if not source or not os.path.isfile(source):
-            raise ReproducerError(
-                "replay needs the model's architecture, which a reproducer does not store: pass "
-                "model_factory=<callable returning the model, built like the one that was trained>"
-                + (f" (the recorded source {source!r} is not a file)" if source else ""))
-        from ampdoctor.precision import load_scenario_module
+def _model_from_hf_config(payload: dict[str, Any]) -> nn.Module | None:
+    """The architecture from the recorded Hugging Face config and model class, without executing any file: only a
+    class of the installed ``transformers`` package is looked up (by name), and built from the config's values."""
+    cfg, qual = payload.get("hf_config"), payload.get("model_class") or ""
+    if not isinstance(cfg, dict) or not qual.startswith("transformers."):
+        return None
+    try:
+        import transformers
+    except ImportError as e:
+        raise ReproducerError("this reproducer records a Hugging Face model; rebuilding it needs transformers "
+                              "(pip install transformers), or pass --factory module:callable") from e
+    cls = getattr(transformers, qual.rpartition(".")[2], None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise ReproducerError(f"the recorded model class {qual!r} is not a transformers model class; pass "
+                              "--factory module:callable (model_factory=) that builds the architecture")
+    config_class = cls.config_class
+    if config_class is None:
+        raise ReproducerError(f"{qual!r} declares no config class; pass --factory module:callable")
+    return cls(config_class.from_dict(dict(cfg)))  # type: ignore[no-any-return]
 
-        module = load_scenario_module(source)
-        if not callable(getattr(module, "make", None)):
-            raise ReproducerError(f"{source!r} defines no make(); pass model_factory=<callable returning the model>")
-        scenario = dict(module.make())
-        model = scenario.pop("model")
-    else:
+
+def _model_from_source(payload: dict[str, Any], trust_source: bool) -> tuple[nn.Module, dict[str, Any]]:
+    source = payload.get("source") or ""
+    if not source:
+        raise ReproducerError(
+            "replay needs the model's architecture, which this reproducer does not record: pass "
+            "--factory module:callable (Python: model_factory=<callable returning the model>)")
+    if not trust_source:
+        raise ReproducerError(
+            f"replay needs the model's architecture; the reproducer names the file {source!r}, but a reproducer's "
+            "fields are data and are never executed unless you ask: pass --trust-source (Python: "
+            "trust_source=True) if you trust that file, or --factory module:callable")
+    if not os.path.isfile(source):
+        raise ReproducerError(f"the recorded source {source!r} is not a file; pass --factory module:callable")
+    from ampdoctor.precision import load_scenario_module
+
+    module = load_scenario_module(source)
+    if not callable(getattr(module, "make", None)):
+        raise ReproducerError(f"{source!r} defines no make(); pass --factory module:callable (model_factory=)")
+    scenario = dict(module.make())
+    return scenario.pop("model"), scenario
+
+
+def _replay(payload: dict[str, Any], model_factory: Callable[[], nn.Module] | None, loss_fn: Any,
+            train_step: Any, origin: str, trust_source: bool = False) -> Report:
+    scenario: dict[str, Any] = {}
+    if model_factory is not None:
         model = model_factory()
+    else:
+        built = _model_from_hf_config(payload)
+        if built is None:
+            model, scenario = _model_from_source(payload, trust_source)
+        else:
+            model = built
     if not isinstance(model, nn.Module):
         raise ReproducerError(f"model_factory returned {type(model).__name__}, expected a torch.nn.Module")
     _load_state(model, payload["model_state"])
@@ -281,30 +320,32 @@ def _replay(payload: dict[str, Any], model_factory: Callable[[], nn.Module] | No
 
 
 def replay_payload(payload: dict[str, Any], model_factory: Callable[[], nn.Module] | None = None, *,
-                   loss_fn: Any = None, train_step: Any = None, origin: str = "") -> Report:
+                   loss_fn: Any = None, train_step: Any = None, origin: str = "", trust_source: bool = False) -> Report:
     """Rebuild the recorded step on a fresh model and run it under :func:`ampdoctor.diagnose`; the caller's RNG
     states are restored afterwards (the factory and the replayed step draw from them)."""
     with _preserved_rng():
-        return _replay(payload, model_factory, loss_fn, train_step, origin)
+        return _replay(payload, model_factory, loss_fn, train_step, origin, trust_source)
 
 
 def replay(path: str | os.PathLike[str] | dict[str, Any], model_factory: Callable[[], nn.Module] | None = None, *,
-           loss_fn: Any = None, train_step: Any = None) -> Report:
+           loss_fn: Any = None, train_step: Any = None, trust_source: bool = False) -> Report:
     """Rebuild the step a watch recorded and run it under full diagnosis (:func:`ampdoctor.diagnose`).
 
     >>> report = replay("repro/step000012-nonfinite-grads.pt", model_factory=build_model)  # doctest: +SKIP
     >>> report.findings[0].code, report.findings[0].module                                # doctest: +SKIP
     ('overflow', 'encoder.block.0.layer.1.DenseReluDense.wo')
 
-    ``model_factory()`` must return the trained model's architecture (weights are loaded from the reproducer);
-    without it, the recorded ``source`` must be a scenario file defining ``make()``. The optimizer (``torch.optim``
-    classes) and GradScaler are rebuilt with their recorded state, the RNG is set to the step's state and restored
-    afterwards, the precision is the one seen during the forward. ``loss_fn``/``train_step`` follow
+    ``model_factory()`` must return the trained model's architecture (weights are loaded from the reproducer).
+    Without it, a Hugging Face model is rebuilt from the recorded config and ``transformers`` class (no code from
+    any file runs); otherwise the recorded ``source`` (a scenario file defining ``make()``) is imported ONLY with
+    ``trust_source=True``: a reproducer is data, and naming a file in it never executes that file. The optimizer
+    (``torch.optim`` classes) and GradScaler are rebuilt with their recorded state, the RNG is set to the step's
+    state and restored afterwards, the precision is the one seen during the forward. ``loss_fn``/``train_step`` follow
     :func:`ampdoctor.diagnose`. Raises :class:`ReproducerError` for unreadable files or a mismatching model.
     """
     payload = path if isinstance(path, dict) else load_reproducer(path)
     return replay_payload(payload, model_factory, loss_fn=loss_fn, train_step=train_step,
-                          origin="" if isinstance(path, dict) else os.fspath(path))
+                          origin="" if isinstance(path, dict) else os.fspath(path), trust_source=trust_source)
 
 
 __all__ = [

@@ -144,8 +144,35 @@ def test_replay_from_a_scenario_source(tmp_path) -> None:
         "def make():\n"
         "    return {'model': Net(), 'batch': torch.randn(8, 16)}\n")
     run_until_nonfinite(tmp_path, source=str(scenario))
-    r = replay(tmp_path / "step000003-nonfinite-grads.pt")
+    with pytest.raises(ReproducerError, match="--trust-source"):
+        replay(tmp_path / "step000003-nonfinite-grads.pt")       # the recorded file is data: never imported
+    r = replay(tmp_path / "step000003-nonfinite-grads.pt", trust_source=True)
     assert "nonfinite-input" in r.codes()
+
+
+def test_a_crafted_reproducer_executes_nothing(tmp_path) -> None:
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.py"
+    evil.write_text(f"open({str(marker)!r}, 'w').write('x')\ndef make():\n    return {{}}\n")
+    run_until_nonfinite(tmp_path, source=str(evil))
+    path = tmp_path / "step000003-nonfinite-grads.pt"
+    with pytest.raises(ReproducerError, match="--factory module:callable"):
+        replay(path)
+    from click.testing import CliRunner
+
+    from ampdoctor.cli import main
+
+    res = CliRunner().invoke(main, ["replay", str(path)])
+    assert res.exit_code == 2 and "--trust-source" in res.output
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"PK\x03\x04trunc", b"not a torch file at all"])
+def test_empty_truncated_or_malformed_reproducers_are_clear_errors(tmp_path, content) -> None:
+    p = tmp_path / "bad.pt"
+    p.write_bytes(content)
+    with pytest.raises(ReproducerError, match="not a readable ampdoctor reproducer"):
+        load_reproducer(p)
 
 
 @needs_diagnose
