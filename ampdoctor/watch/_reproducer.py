@@ -128,8 +128,9 @@ def load_reproducer(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for truncated/corrupted archives
+        first = (str(e).splitlines() or ["empty file" if os.path.getsize(path) == 0 else ""])[0][:200]
         raise ReproducerError(
-            f"{path!r} is not a readable ampdoctor reproducer ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+            f"{path!r} is not a readable ampdoctor reproducer ({type(e).__name__}: {first}); "
             "the file is truncated, corrupted or holds objects other than tensors and plain values. "
             "Write a new one by rerunning the training with watch(..., reproducer_dir=...).") from e
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:

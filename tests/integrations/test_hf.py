@@ -64,3 +64,25 @@ def test_trainer_healthy_run_is_ok_and_unchanged(tmp_path) -> None:
     assert len(cb.report.summary["grad_norms"]) == 3
     for (n, a), (_, b) in zip(plain.state_dict().items(), watched.state_dict().items()):
         assert torch.equal(a, b), n
+
+
+def test_trainer_reproducer_replays_from_the_recorded_config_without_code(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from ampdoctor.cli import main
+
+    model = tiny_bert(plant_unused=False)
+    with torch.no_grad():
+        model.bert.encoder.layer[0].intermediate.dense.weight.fill_(1e38)     # its output overflows fp32
+    cb = AmpDoctorCallback(reproducer_dir=tmp_path / "repro")
+    fit(tmp_path / "out", model, [cb])
+    root = cb.report.findings[0]                                # located in process by the default replay
+    assert (root.module, root.phase) == ("bert.encoder.layer.0.intermediate.dense", "forward"), cb.report.findings
+    files = sorted((tmp_path / "repro").iterdir())
+    assert files, "no reproducer written"
+    res = CliRunner().invoke(main, ["replay", str(files[0]), "--json", str(tmp_path / "r.json")])
+    assert res.exit_code == 1, res.output                       # an error finding, no --factory needed
+    import json
+
+    first = json.loads((tmp_path / "r.json").read_text())["findings"][0]
+    assert (first["module"], first["op"]) == (root.module, root.op)

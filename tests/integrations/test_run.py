@@ -130,3 +130,28 @@ def test_unused_sibling_of_the_forwarded_submodule_is_covered(tmp_path) -> None:
     assert (f.code, f.module) == ("unused-parameters", "unused")
     assert f.evidence["parameters"] == ["unused.weight", "unused.bias"]
     assert report.precision is None and report.summary["precision_settings"]["param_dtype"] == "float32"
+
+
+@pytest.mark.parametrize(("body", "code", "says"), [
+    ("import sys\nsys.exit(3)\n", 3, "exited with 3"),
+    ("raise ValueError('bad config')\n", 1, "raised ValueError: bad config"),
+])
+def test_cli_run_propagates_how_the_script_ended(tmp_path, body, code, says) -> None:
+    from click.testing import CliRunner
+
+    from ampdoctor.cli import main
+
+    p = tmp_path / "s.py"
+    p.write_text("import torch\nm = torch.nn.Linear(2, 2)\no = torch.optim.SGD(m.parameters(), lr=1)\n"
+                 "m(torch.ones(2)).sum().backward(); o.step()\n" + body)
+    res = CliRunner().invoke(main, ["run", "--", "python", str(p)])
+    assert res.exit_code == code and "did not finish" in res.output and says in res.output
+
+
+def test_cli_run_of_a_missing_script_is_exit_2(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from ampdoctor.cli import main
+
+    res = CliRunner().invoke(main, ["run", "--", "python", str(tmp_path / "nope.py")])
+    assert res.exit_code == 2 and "script not found" in res.output
