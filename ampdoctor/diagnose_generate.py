@@ -18,9 +18,20 @@ from torch import nn
 
 from ampdoctor.findings import Finding, Report, analyse, build_context
 from ampdoctor.findings._knowledge import enrich_all
-from ampdoctor.precision import StepSpec, saved_rng
-from ampdoctor.precision._generate import NOISE_MARGIN_RMS, NOISE_REL_ERR, DecodeStat, Generation, generate, validate
-from ampdoctor.precision._keep_fp32 import keep_fp32_transform
+from ampdoctor.precision import (
+    NOISE_MARGIN_RMS,
+    NOISE_REL_ERR,
+    DecodeStat,
+    Generation,
+    StepSpec,
+    compare_compiled_generation,
+    first_position,
+    generate,
+    keep_fp32_transform,
+    position_profile,
+    saved_rng,
+    validate_generation,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +66,7 @@ def diagnose_generate(model: nn.Module, input_ids: torch.Tensor, *, precision: s
     """
     t0 = time.perf_counter()
     model, notes = unwrap_compiled(model)
-    validate(model, input_ids, precision, max_new_tokens)
+    validate_generation(model, input_ids, precision, max_new_tokens)
     keep = list(keep_fp32)
     transforms = (keep_fp32_transform(model, keep),) if keep else ()
     with saved_rng():
@@ -69,7 +80,11 @@ def diagnose_generate(model: nn.Module, input_ids: torch.Tensor, *, precision: s
         with saved_rng():
             again = generate(model, input_ids, precision=precision, max_new_tokens=max_new_tokens, policy=policy,
                              transforms=transforms, trace_step=first.step)
-        findings, layers, step_summary = _step_findings(model, precision, source, first, again)
+        curves: dict[str, list[float]] = {}
+        if first.step == 0:  # the prefill spans the whole prompt: find the position within it per module
+            curves = position_profile(model, {"input_ids": input_ids}, precision=precision, policy=policy,
+                                      transforms=transforms)
+        findings, layers, step_summary = _step_findings(model, precision, source, first, again, curves)
     noise = [s for s in gen.stats if s.within_noise and (first is None or s.step <= first.step)]
     if noise:
         findings.append(_noise_finding(noise))
@@ -90,17 +105,18 @@ def diagnose_generate(model: nn.Module, input_ids: torch.Tensor, *, precision: s
     }
     summary.update(step_summary)
     if compiled:
-        from ampdoctor.precision._compiled import compare_compiled_generation
-
         summary["compiled"] = compare_compiled_generation(model, input_ids, precision, policy, gen.ref_tokens,
                                                           transforms)
+        findings.extend(compiled_findings(summary["compiled"], precision))
     summary["elapsed_s"] = round(time.perf_counter() - t0, 3)
     return Report(tuple(findings), precision, summary, tuple(layers), source)
 
 
-def _step_findings(model: nn.Module, precision: str, source: str, first: DecodeStat,
-                   again: Generation) -> tuple[list[Finding], list[dict[str, Any]], dict[str, Any]]:
-    """The op-level findings of the failing decode step, each carrying where in the generation it happened."""
+def _step_findings(model: nn.Module, precision: str, source: str, first: DecodeStat, again: Generation,
+                   curves: dict[str, list[float]]) -> tuple[list[Finding], list[dict[str, Any]], dict[str, Any]]:
+    """The op-level findings of the failing decode step, each carrying where in the generation it happened.
+
+    ``curves`` (per module, |max| per position of the prefill) place a prefill finding within the prompt."""
     from ampdoctor.diagnose import _layers  # per-module range table of the report (shared with diagnose)
 
     if again.traced is None:  # pragma: no cover - generate(trace_step=k) traces step k whenever it is reached
@@ -114,8 +130,10 @@ def _step_findings(model: nn.Module, precision: str, source: str, first: DecodeS
     out: list[Finding] = []
     for f in op_findings:
         cache = _cache_role(ctx, f, again.cache_records)
-        ev = {**f.evidence, **where, "cache": cache}
-        title = f"decode step {first.step} (position {first.position}): {f.title}"
+        pos = first_position(curves.get(f.module, []))
+        pos = first.position if pos is None else pos
+        ev = {**f.evidence, **where, "position": pos, "cache": cache}
+        title = f"decode step {first.step} (position {pos}): {f.title}"
         out.append(replace(f, evidence=ev, title=title))
     if not any(f.severity == "error" for f in out):
         out.insert(0, _divergence_finding(first, where))
@@ -141,6 +159,23 @@ def _cache_role(ctx: Any, f: Finding, cache_records: set[int]) -> str:
         if set(ctx.lineage.descendants.get(r.index, [])) & cache_records:
             return "write"
     return "none"
+
+
+def compiled_findings(cmp: dict[str, Any], precision: str) -> list[Finding]:
+    """A warning when ``torch.compile``'s target outputs differ from the eager target's (from ``compare_compiled``)."""
+    if cmp.get("verdict") != "differs":
+        return []
+    name = cmp["first_differing_output"]
+    row = next(r for r in cmp["outputs"] if r["output"] == name)
+    detail = (f"eager has {row.get('eager_nonfinite', '?')} inf/NaN, compiled {row.get('compiled_nonfinite', '?')}; "
+              f"max |compiled - eager| {row.get('max_abs_diff', float('nan')):.3g} "
+              f"({row.get('rel_diff', float('nan')):.2%} of eager's |max|)") if "rel_diff" in row else row["status"]
+    return [Finding(
+        "precision-loss", "warning", "", "", "forward", f"torch.compile changes {precision} numerics: {name!r} differs",
+        f"In {precision}, the compiled model's output {name!r} differs from the eager model's on the same inputs "
+        f"({detail}). Compiled kernels fuse ops and may keep intermediates in float32 (hiding an overflow eager "
+        "shows) or round differently; the op-level diagnosis above is of the eager model. Check the model both "
+        "ways before trusting either in production.", {"compiled": cmp})]
 
 
 def _divergence_finding(s: DecodeStat, where: dict[str, Any]) -> Finding:

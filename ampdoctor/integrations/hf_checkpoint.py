@@ -252,8 +252,7 @@ def diagnose_checkpoint(ckpt: InferenceCheckpoint, *, precision: str = "fp16", p
     from dataclasses import replace
 
     from ampdoctor.diagnose import diagnose_spec
-    from ampdoctor.precision import make_spec
-    from ampdoctor.precision._keep_fp32 import keep_fp32_transform
+    from ampdoctor.precision import keep_fp32_transform, make_spec
 
     spec = make_spec(ckpt.model, ckpt.batch, precision=precision, source=source)
     kept = ckpt.keep_fp32.get(precision, ()) if precision in ("fp16", "bf16") else ()
@@ -262,15 +261,18 @@ def diagnose_checkpoint(ckpt: InferenceCheckpoint, *, precision: str = "fp16", p
     report = diagnose_spec(spec, policy=policy, progress=progress)
     summary = {**report.summary, "checkpoint": checkpoint_summary(ckpt, kept)}
     if positions:
-        from ampdoctor.precision._positions import headroom_curve, position_profile
+        from ampdoctor.precision import headroom_curve, position_profile
 
         ref = position_profile(ckpt.model, ckpt.batch, precision=precision, reference=True)
         tgt = position_profile(ckpt.model, ckpt.batch, precision=precision, policy=policy, transforms=transforms)
         summary["positions"] = headroom_curve(ref, tgt, precision)
     if compiled:
-        from ampdoctor.precision._compiled import compare_compiled
+        from ampdoctor.diagnose_generate import compiled_findings
+        from ampdoctor.precision import compare_compiled
 
         summary["compiled"] = compare_compiled(ckpt.model, ckpt.batch, precision, policy, transforms)
+        extra = compiled_findings(summary["compiled"], precision)
+        return replace(report, summary=summary, findings=report.findings + tuple(extra))
     return replace(report, summary=summary)
 
 

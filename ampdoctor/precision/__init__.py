@@ -7,7 +7,19 @@ One step runner for every caller (:mod:`ampdoctor.precision._step`): :func:`prep
 ``torch.autocast`` blocks; explicit casts in user code still cast). Precisions: see :data:`PRECISIONS`.
 """
 
+from ampdoctor.precision._compiled import compare_compiled, compare_compiled_generation, compare_outputs
 from ampdoctor.precision._cuda_policy import POLICIES, policy_for, policy_table_markdown
+from ampdoctor.precision._generate import (
+    GENERATION_PRECISIONS,
+    NOISE_MARGIN_RMS,
+    NOISE_REL_ERR,
+    DecodeStat,
+    Generation,
+    generate,
+    validate_generation,
+)
+from ampdoctor.precision._keep_fp32 import keep_fp32_transform
+from ampdoctor.precision._positions import first_position, headroom_curve, position_profile
 from ampdoctor.precision._runner import ParamState, RunResult, run
 from ampdoctor.precision._spec import (
     PRECISIONS,
@@ -35,6 +47,20 @@ from ampdoctor.precision.fp8 import Fp8Autocast, Fp8Recipe, Fp8Stats, Fp8TensorS
 from ampdoctor.precision.headroom import Headroom, HeadroomRow, headroom
 
 __all__ = [
+    "GENERATION_PRECISIONS",
+    "NOISE_MARGIN_RMS",
+    "NOISE_REL_ERR",
+    "DecodeStat",
+    "Generation",
+    "compare_compiled",
+    "compare_compiled_generation",
+    "compare_outputs",
+    "first_position",
+    "generate",
+    "headroom_curve",
+    "keep_fp32_transform",
+    "position_profile",
+    "validate_generation",
     "POLICIES",
     "Fp8Autocast",
     "Fp8Recipe",

@@ -19,7 +19,7 @@ import torch
 import torch._dynamo
 from torch import nn
 
-from ampdoctor.precision._step import LOW_DTYPES, _precision_context, call_model, device_of
+from ampdoctor.precision._step import LOW_DTYPES, _precision_context, call_model, cast_batch, device_of
 from ampdoctor.trace import iter_tensors
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ def compare_compiled(model: nn.Module, batch: Any, precision: str, policy: str =
     m = copy.deepcopy(model)
     if precision in LOW_DTYPES:
         m.to(LOW_DTYPES[precision])
+        batch = cast_batch(batch, LOW_DTYPES[precision])
     for tf in transforms:
         tf(m, None, None)
     m.eval()

@@ -185,7 +185,7 @@ def _cache_ok(side: _Side) -> torch.Tensor:
     return torch.stack([torch.isfinite(t).all() for t in ts]).all()
 
 
-def validate(model: Any, input_ids: Any, precision: str | None, max_new_tokens: Any) -> None:
+def validate_generation(model: Any, input_ids: Any, precision: str | None, max_new_tokens: Any) -> None:
     """Raise :class:`ScenarioError` (what to pass) before anything runs."""
     if not isinstance(model, nn.Module):
         raise ScenarioError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -210,7 +210,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, precision: str, max_n
     runs under the full op trace in both runs and the generation stops after it. Host syncs: one, at the end
     (and the trace's read-back of the traced step).
     """
-    validate(model, input_ids, precision, max_new_tokens)
+    validate_generation(model, input_ids, precision, max_new_tokens)
     ref = _Side(model, precision, policy, True, transforms)
     tgt = _Side(model, precision, policy, False, transforms)
     device = ref.device

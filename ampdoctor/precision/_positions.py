@@ -17,7 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.precision._step import LOW_DTYPES, _gemm_context, _NoAutocast, _precision_context, call_model, device_of
+from ampdoctor.precision._step import (
+    LOW_DTYPES,
+    _gemm_context,
+    _NoAutocast,
+    _precision_context,
+    call_model,
+    cast_batch,
+    device_of,
+)
 from ampdoctor.trace import dtype_limits, iter_tensors
 
 
@@ -71,8 +79,10 @@ def position_profile(model: nn.Module, batch: dict[str, Any], *, precision: str 
     m = copy.deepcopy(model)
     if reference:
         m.to(torch.float32)
+        batch = cast_batch(batch, torch.float32, only_low=True)
     elif precision in LOW_DTYPES:
         m.to(LOW_DTYPES[precision])
+        batch = cast_batch(batch, LOW_DTYPES[precision])
     if not reference:
         for tf in transforms:
             tf(m, None, None)
@@ -84,6 +94,14 @@ def position_profile(model: nn.Module, batch: dict[str, Any], *, precision: str 
     with gemm, _Profile(m, seq_len) as prof, torch.no_grad(), no_autocast, amp:
         call_model(m, batch)
     return prof.read()
+
+
+def first_position(curve: list[float]) -> int | None:
+    """The first position whose |max| is not finite, else the position of the largest |max| (``None``: empty)."""
+    if not curve:
+        return None
+    bad = next((i for i, v in enumerate(curve) if not math.isfinite(v)), None)
+    return bad if bad is not None else max(range(len(curve)), key=curve.__getitem__)
 
 
 def headroom_curve(ref: dict[str, list[float]], target: dict[str, list[float]], precision: str,

@@ -69,6 +69,14 @@ def test_compiled_model_has_the_root_cause_of_its_eager_twin() -> None:
     assert any("torch.compile()d" in n and "original module" in n for n in report.summary["notes"])
 
 
+def test_prefill_failure_is_placed_at_its_position_within_the_prompt() -> None:
+    ids = torch.arange(1, 13).reshape(1, 12)  # positions 0..11: the spike (from position 8) is inside the prompt
+    report = ampdoctor.diagnose_generate(gpt2(spike=True, overflow=True), ids, precision="fp16", max_new_tokens=3)
+    f = report.findings[0]
+    assert (f.code, f.module, f.evidence["decode_step"], f.evidence["position"]) == (
+        "overflow", "transformer.h.1.mlp.c_fc", 0, SPIKE_FROM)
+
+
 def _stat(**kw: float) -> DecodeStat:
     base = dict(step=3, position=6, ref_token=1, target_token=2, ref_margin=0.01, target_gap=0.005,
                 logit_err=0.01, logit_rms=1.0, finite=True, cache_finite=True)
