@@ -38,24 +38,33 @@ def _emit(report: ampdoctor.Report, json_out: str | None, html_out: str | None, 
 
 
 class _phase_progress:
-    """A rich progress bar over the diagnosis phases, drawn on stderr only when it is a terminal."""
+    """A rich progress bar over the diagnosis phases, drawn on stderr only when it is a terminal.
 
-    PHASES = ("reference", "target", "analysis", "done")
+    ``headroom=True`` adds the headroom run (``check``); ``only_headroom=True`` is the ``headroom`` command's one
+    fp32 traced run. The returned callable takes a phase name (``diagnose(progress=...)``'s protocol)."""
+
+    LABELS = {"headroom": "fp32 headroom run", "reference": "fp32 reference run", "target": "target-precision run",
+              "analysis": "analysis"}
+
+    def __init__(self, *, headroom: bool = False, only_headroom: bool = False) -> None:
+        run = ("reference", "target", "analysis")
+        self.phases = ("headroom",) if only_headroom else (("headroom",) if headroom else ()) + run
+        self.phases += ("done",)
 
     def __enter__(self) -> Any:
         from rich.console import Console
-        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
         console = Console(stderr=True)
-        self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+        self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                             console=console, transient=True, disable=not console.is_terminal)
         self.bar.__enter__()
-        self.task = self.bar.add_task("fp32 reference run", total=len(self.PHASES) - 1)
-        labels = {"reference": "fp32 reference run", "target": "target-precision run", "analysis": "analysis"}
+        self.task = self.bar.add_task(self.LABELS[self.phases[0]], total=len(self.phases) - 1)
 
         def update(phase: str) -> None:
-            if phase in self.PHASES:
-                self.bar.update(self.task, completed=self.PHASES.index(phase), description=labels.get(phase, phase))
+            if phase in self.phases:
+                self.bar.update(self.task, completed=self.phases.index(phase),
+                                description=self.LABELS.get(phase, phase))
 
         return update
 
@@ -397,7 +406,10 @@ def headroom(file: str | None, hf: str | None, fmt: str, json_out: str | None) -
     from ampdoctor.precision.headroom import headroom_spec
 
     try:
-        h = headroom_spec(_spec_for(file, hf))
+        spec = _spec_for(file, hf)
+        with _phase_progress(only_headroom=True) as progress:
+            progress("headroom")
+            h = headroom_spec(spec)
     except AmpDoctorError as e:
         _fail(str(e))
     console = _console()
@@ -424,8 +436,10 @@ def check(file: str | None, hf: str | None, precision: str) -> None:
     fmt = "bf16" if precision.startswith("bf16") else "fp16"
     try:
         spec = _spec_for(file, hf)
-        h = headroom_spec(spec)
-        report = diagnose_spec(replace(spec, precision=precision))
+        with _phase_progress(headroom=True) as progress:
+            progress("headroom")
+            h = headroom_spec(spec)
+            report = diagnose_spec(replace(spec, precision=precision), progress=progress)
     except AmpDoctorError as e:
         _fail(str(e))
     bad = h.predicted_failures(fmt)
