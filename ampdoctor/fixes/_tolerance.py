@@ -35,20 +35,42 @@ class Tolerance:
     output: float
     lost: float = 1e-2
 
-    def scaled(self, noise: dict[str, float | None]) -> dict[str, Any]:
-        """The bounds for one step: each floor, raised to ``FACTOR`` x the measured noise where that is larger."""
-        out: dict[str, Any] = {"dtype": self.dtype, "u": self.u, "lost": self.lost, "factor": FACTOR}
-        for key in ("loss", "curve", "grad", "output"):
-            floor = getattr(self, key) * self.u
+    def scaled(self, noise: dict[str, float | None],
+               healthy: dict[str, float | None] | None = None) -> dict[str, Any]:
+        """The bounds for one step: each floor, raised to ``FACTOR`` x the measured rounding noise and to
+        ``HEALTHY_FACTOR`` x the error of the healthy run in the same precision, where those are larger.
+
+        ``healthy`` is None when no healthy run could be measured; its ``grad``/``lost`` may be inf (the healthy
+        run's GradScaler skipped step 0: its gradients are not finite either, and the gradient bound is then
+        off). The healthy term never raises a bound above :data:`HEALTHY_CAP` (a relative error).
+        """
+        out: dict[str, Any] = {"dtype": self.dtype, "u": self.u, "lost": self.lost, "factor": FACTOR,
+                               "healthy_factor": HEALTHY_FACTOR}
+        for key in ("loss", "curve", "grad", "output", "lost"):
+            bound = self.lost if key == "lost" else getattr(self, key) * self.u
             n = noise.get(key)
-            out[key] = max(floor, FACTOR * n) if n is not None and math.isfinite(n) else floor
+            if n is not None and math.isfinite(n):
+                bound = max(bound, FACTOR * n)
+            h = (healthy or {}).get(key)
+            if h is not None and not math.isnan(h):
+                cap = math.inf if key in ("grad", "lost") and math.isinf(h) else HEALTHY_CAP
+                bound = max(bound, min(HEALTHY_FACTOR * h, cap))
+            out[key] = bound
         out["noise"] = dict(noise)
+        out["healthy"] = dict(healthy) if healthy is not None else None
         return out
 
 
 #: Multiple of a step's own rounding noise (the fp32 run started from weights and inputs rounded to the dtype)
 #: that a correct run may reach: twice the largest ratio measured on healthy models (3.9, docs/fixes.md).
 FACTOR = 8.0
+#: Multiple of the error of the *healthy run in the same precision* (the step with the modules the diagnosis
+#: implicates kept in float32, see docs/fixes.md) that a correct fix may reach. Measured by
+#: ``bench/calibrate_verification.py`` (results in ``bench/results/calibration.md``).
+HEALTHY_FACTOR = 2.0
+#: The healthy term never allows more than this relative error (loss, curve, output): past it, a run is not
+#: "the same training" as fp32, however the healthy run behaves.
+HEALTHY_CAP = 0.05
 #: Floors in units of u. Largest errors measured on 8 healthy models (docs/fixes.md): first-step loss 1.84u,
 #: 20-step AMP curve 0.58u, gradients 11.7u, forward outputs 1.38u.
 TOLERANCES: dict[str, Tolerance] = {
@@ -136,5 +158,6 @@ def output_err(got: list[torch.Tensor] | None, ref: list[torch.Tensor] | None) -
 
 
 
-__all__ = ["FACTOR", "PRECISION_DTYPE", "ROUND_DTYPES", "TOLERANCES", "Tolerance", "compute_dtype", "curve_err",
+__all__ = ["FACTOR", "HEALTHY_CAP", "HEALTHY_FACTOR", "PRECISION_DTYPE", "ROUND_DTYPES", "TOLERANCES", "Tolerance",
+           "compute_dtype", "curve_err",
            "grad_errors", "output_err", "rel_err"]

@@ -21,6 +21,7 @@ from ampdoctor.findings import Finding, FixProposal, Report
 from ampdoctor.findings._types import _jsonable
 from ampdoctor.fixes._actions import FIXES, FixContext, FixPlan, build_plan
 from ampdoctor.fixes._curve import Curve, run_curve
+from ampdoctor.fixes._scope import KeepFp32
 from ampdoctor.fixes._tolerance import (
     PRECISION_DTYPE,
     ROUND_DTYPES,
@@ -115,6 +116,7 @@ class Session:
         self._reference: Curve | None = None
         self._broken: Curve | None = None
         self._noise: dict[tuple[str, str], Curve] = {}
+        self._healthy: dict[tuple[Any, ...], Curve | None] = {}
 
     @property
     def report(self) -> Report:
@@ -147,12 +149,33 @@ class Session:
                                                   round_to=rd)
         return self._noise[(key, dtype)]
 
+    def implicated(self) -> tuple[str, ...]:
+        """The modules of the diagnosis's error findings (those the healthy run keeps in float32)."""
+        names = {n for n, _ in self.spec.model.named_modules() if n}
+        return tuple(dict.fromkeys(f.module for f in self.report.findings
+                                   if f.severity == "error" and f.module in names))
+
+    def healthy(self, fixed_spec: StepSpec, dtype: str, lr: float | None) -> Curve | None:
+        """The healthy run in the fixed step's precision: the step (with the fix's precision and scaler, without
+        its transforms) with the implicated modules in float32. None when nothing is implicated or the step
+        computes in float32 (cached per precision and scaler)."""
+        mods = self.implicated()
+        if not mods or dtype == "float32":
+            return None
+        key = (fixed_spec.precision, id(fixed_spec.scaler), mods)
+        if key not in self._healthy:
+            spec = replace(fixed_spec, transforms=tuple(self.spec.transforms) + (KeepFp32(mods),))
+            self._healthy[key] = run_curve(spec, reference=False, steps=self.steps, policy=self.policy, lr=lr)
+        return self._healthy[key]
+
     def context(self, module: str = "") -> FixContext:
         s = self.spec
         return FixContext.of(s.model, s.precision, module, s.scaler, s.train_step)
 
-    def verify(self, plan: FixPlan) -> Verification:
-        return _verify_plan(self, plan)
+    def verify(self, plan: FixPlan, targets: tuple[str, ...] = ()) -> Verification:
+        """Verify one plan; ``targets`` are the ``code@module`` labels of the findings it was proposed for (a fix
+        that leaves one of them reported is not verified)."""
+        return _verify_plan(self, plan, targets)
 
 
 def _finite_count(c: Curve, steps: int) -> int:
@@ -182,6 +205,23 @@ def _labels(report: Report) -> tuple[str, ...]:
     return tuple(dict.fromkeys(f"{f.code}@{f.module or '<root>'}" for f in report.findings))
 
 
+def _healthy_of(healthy: Curve | None, ref: Curve, broken: Curve) -> dict[str, float | None] | None:
+    """Errors of the healthy run against the reference, or None when it is not healthy: not finite, or no closer
+    to fp32 than the broken run (then it says nothing about what this precision may deviate by)."""
+    if healthy is None or not _finite_curve(healthy):
+        return None
+    h = _noise_of(healthy, ref)
+    lost = grad_errors(healthy.grads, ref.grads)[1]
+    if healthy.grads is not None and h["grad"] is not None and math.isinf(h["grad"]):
+        lost = math.inf  # the healthy run's scaler skipped step 0: its gradients are not finite, as is legitimate
+    h["lost"] = lost
+    if _finite_curve(broken) and broken.trained and h["curve"] is not None:
+        b = curve_err(broken.losses, ref.losses)
+        if b is not None and not h["curve"] < b:
+            return None
+    return h
+
+
 def _noise_of(noise: Curve | None, ref: Curve) -> dict[str, float | None]:
     """Errors of the rounded-start fp32 run against the reference: the step's own rounding noise."""
     if noise is None or not _finite_curve(noise):
@@ -191,7 +231,7 @@ def _noise_of(noise: Curve | None, ref: Curve) -> dict[str, float | None]:
             "grad": grad_errors(noise.grads, ref.grads)[0], "output": output_err(noise.outputs, ref.outputs)}
 
 
-def _verify_plan(session: Session, plan: FixPlan) -> Verification:
+def _verify_plan(session: Session, plan: FixPlan, targets: tuple[str, ...] = ()) -> Verification:
     from ampdoctor.diagnose import DiagnosisError, diagnose_spec
 
     spec = session.spec
@@ -214,7 +254,8 @@ def _verify_plan(session: Session, plan: FixPlan) -> Verification:
     fixed = run_curve(fixed_spec, reference=False, steps=session.steps, policy=session.policy, lr=ref.lr)
     dtype = compute_dtype(fixed_spec.precision, fixed_report if fixed_report is not None else session.report)
     noise = _noise_of(session.noise(ref_spec, ref_key, dtype, ref.lr), ref)
-    tol = TOLERANCES.get(dtype, TOLERANCES["float16"]).scaled(noise)
+    healthy = _healthy_of(session.healthy(fixed_spec, dtype, ref.lr), ref, broken) if ref_key == "original" else None
+    tol = TOLERANCES.get(dtype, TOLERANCES["float16"]).scaled(noise, healthy)
 
     loss_ref = ref.losses[0] if ref.losses else None
     loss_fixed = fixed.losses[0] if fixed.losses else None
@@ -235,6 +276,9 @@ def _verify_plan(session: Session, plan: FixPlan) -> Verification:
         reasons.append(f"the fixed step could not be diagnosed ({diag_error})")
     elif not fixed_report.ok:
         reasons.append(f"the fixed step still has error findings: {', '.join(remaining)}")
+    still = [t for t in targets if fixed_report is not None and t in _labels(fixed_report)]
+    if still:
+        reasons.append(f"the finding it was proposed for is still reported: {', '.join(still)}")
     requested = plan.spec_changes.get("precision")
     old = compute_dtype(spec.precision, session.report)
     if requested in PRECISION_DTYPE and fixed_report is not None and PRECISION_DTYPE[requested] != old \
@@ -340,6 +384,12 @@ def merged_params(report: Report, proposal: FixProposal) -> dict[str, Any]:
     return params
 
 
+def targets_of(report: Report, proposal: FixProposal) -> tuple[str, ...]:
+    """``code@module`` of every finding that proposes this fix (its module lists merged): what it must cure."""
+    return tuple(dict.fromkeys(f"{f.code}@{f.module or '<root>'}" for f in report.findings
+                               if any(_same_scope(p, proposal) for p in f.fixes)))
+
+
 def _finding_of(report: Report, proposal: FixProposal) -> Finding | None:
     return next((f for f in report.findings if any(p is proposal for p in f.fixes)), None) or next(
         (f for f in report.findings if any(p == proposal for p in f.fixes)), None)
@@ -386,7 +436,7 @@ def verify(proposal: FixProposal | str, scenario: Any, *, steps: int = DEFAULT_S
                          "verified automatically")
     params = merged_params(session.report, proposal) if finding is not None else dict(proposal.params)
     plan = build_plan(proposal.id, params, session.context(finding.module if finding is not None else ""))
-    return session.verify(plan)
+    return session.verify(plan, targets_of(session.report, proposal) if finding is not None else ())
 
 
 def diagnose_and_fix(spec: Any, *, steps: int = DEFAULT_STEPS, policy: str = "cuda",
@@ -425,7 +475,7 @@ def diagnose_and_fix(spec: Any, *, steps: int = DEFAULT_STEPS, policy: str = "cu
             if key not in done:
                 try:
                     plan = build_plan(p.id, params, session.context(f.module))
-                    done[key] = (plan.params, session.verify(plan), "")
+                    done[key] = (plan.params, session.verify(plan, targets_of(report, p)), "")
                 except (ValueError, TypeError) as e:
                     done[key] = (params, None, f"{type(e).__name__}: {e}")
             used, v, err = done[key]
