@@ -142,7 +142,7 @@ def _summary(ctx: Context, findings: list[Any], elapsed: float) -> dict[str, Any
     scales = ctx.scales
     if scales:
         s["scales"] = scales
-        s["skipped_steps"] = sum(1 for a, b in zip(scales, scales[1:]) if b < a)
+        s["skipped_steps"] = ctx.skipped_steps
     if t.fp8 is not None:
         s["fp8"] = [{"module": x.module, "role": x.role, "format": x.format, "step": x.step, "amax": x.amax,
                      "scale": x.scale, "amax_history": x.amax_history, "saturated": x.saturated,

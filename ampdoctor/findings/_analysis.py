@@ -333,3 +333,13 @@ def scales_of(ctx: Context) -> list[float]:
     """Loss-scale trajectory: from the run's own scaler, or read from GradScaler's update op in the trace."""
     traced = [r.stats["absmax"] for r in ctx.records if op_base(r.op) == "_amp_update_scale_" and r.stats]
     return traced or list(ctx.target.scales)
+
+
+def skipped_steps(ctx: Context) -> int:
+    """Steps GradScaler skipped: each fall of the scale after a step, step 0 included (measured against the
+    scaler's scale before the run; the trajectory holds the scale after each step)."""
+    scales = scales_of(ctx)
+    sc = getattr(ctx.spec, "scaler", None)
+    before = [float(sc.get_scale())] if scales and sc is not None and sc.is_enabled() else []
+    seq = before + scales
+    return sum(1 for a, b in zip(seq, seq[1:]) if b < a)

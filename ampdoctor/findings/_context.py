@@ -140,6 +140,11 @@ class Context:
         """The loss-scale trajectory (``scales_of``)."""
         return _analysis.scales_of(self)
 
+    @cached_property
+    def skipped_steps(self) -> int:
+        """Optimizer steps GradScaler skipped, step 0 included (``skipped_steps``)."""
+        return _analysis.skipped_steps(self)
+
 
 def agrees(t: OpRecord, ref: OpRecord) -> bool:
     """Finite target record vs its reference: same range and zero pattern within low-precision rounding."""

@@ -116,7 +116,7 @@ def loss_scale_collapse(ctx: Context) -> list[Candidate]:
     drops = sum(1 for a, b in zip(scales, scales[1:]) if b < a)
     if drops < 2 or scales[-1] >= scales[0]:
         return []
-    skipped = drops
+    skipped = ctx.skipped_steps       # step 0 included: drops alone miss the first step's
     grad_origin: OpRecord | None = None
     for o in ctx.harmful_origins():
         if o.record.phase == "backward":

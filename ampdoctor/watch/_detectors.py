@@ -77,6 +77,9 @@ class ScaleHealth:
     peak: float | None = None
     last: float | None = None
     lowest: float | None = None
+    #: skips from step 0 until the first applied step (GradScaler calibrating a too-large initial scale)
+    initial_run: int = 0
+    calibrating: bool = True
     changes: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=4 * WINDOW))
 
     @property
@@ -212,7 +215,8 @@ def _scale_trajectory(e: ScaleSeen, s: DetectorState) -> list[Detection]:
     if h.last != e.value:
         h.changes.append((e.record.step, e.value))
     h.last = e.value
-    h.peak = e.value if h.peak is None else max(h.peak, e.value)
+    if e.record.step >= h.initial_run and not (h.calibrating and e.record.skipped):   # after the calibration
+        h.peak = e.value if h.peak is None else max(h.peak, e.value)
     h.lowest = e.value if h.lowest is None else min(h.lowest, e.value)
     return []
 
@@ -226,6 +230,11 @@ def collapse_due(s: DetectorState) -> bool:
 def _skipped_steps(e: StepClosed, s: DetectorState) -> list[Detection]:
     rec, h = e.record, s.health
     h.steps += 1
+    if h.calibrating:
+        if rec.skipped:
+            h.initial_run += 1
+        else:
+            h.calibrating = False
     if not rec.skipped:
         h.run = 0
         s.skip_run = []

@@ -26,7 +26,8 @@ def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) ->
     s = t.state
     cur = t.it.record       # the open step: checked (and maybe stopped by "raise") but not closed
     seen = recs + [cur] if cur.nonfinite_params or cur.loss is not None else recs
-    own = (_rules.collapse_findings(recs, t.options.collapse_steps, s.backoff)
+    episodes = _rules.collapse_findings(recs, t.options.collapse_steps, s.backoff)
+    own = (_rules.with_health(episodes, _rules.health_finding(s.health, t.options, s.backoff))
            + _rules.nonfinite_findings(seen, t.params.owners)
            + _rules.coverage_findings(coverage, t.params.owners, ddp=t.ddp_strict)
            + _rules.low_precision_findings(s.lost if t.params.low else None, t.params.owners))
@@ -42,6 +43,9 @@ def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) ->
         "losses": [r.loss for r in tail if r.loss is not None],
         "grad_norms": [r.grad_norm for r in tail if r.grad_norm is not None],
         "loss_scales": [r.scale for r in tail if r.scale is not None],
+        "longest_skip_run": h.longest,
+        "loss_scale_peak": h.peak,
+        "loss_scale_trajectory": [[st, v] for st, v in h.changes],
         "grad_spikes": list(s.spikes),
         "grad_spike_count": s.n_spikes,
         "anomalies": list(policy.recent),

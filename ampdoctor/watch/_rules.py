@@ -15,6 +15,8 @@ from typing import Any
 
 from ampdoctor.findings._context import group_by_owner
 from ampdoctor.findings._types import Finding, FixProposal, Report
+from ampdoctor.watch._detectors import ScaleHealth
+from ampdoctor.watch._options import WatchOptions
 from ampdoctor.watch._record import Coverage, LostUpdates, StepRecord
 
 #: Codes whose finding names the op that produced a bad value (used to attribute a loss-scale collapse).
@@ -54,12 +56,12 @@ def collapse_findings(records: Sequence[StepRecord], collapse_steps: int, backof
     """``loss-scale-collapse`` for each run of >= ``collapse_steps`` skipped steps.
 
     A run still going at the end of the history is an error (the weights stopped changing); a run that
-    ended mid-training is a warning. A run that starts at the first step and ended is GradScaler calibrating
-    a too-large initial scale, which is its normal behaviour: no finding.
+    ended mid-training is a warning. A run that starts at the first step and ended is GradScaler calibrating a
+    too-large initial scale, its normal behaviour: no finding here (:func:`health_finding` judges the whole run).
     """
     out: list[Finding] = []
     for first, length, ongoing in skipped_runs(records):
-        if length < collapse_steps or (first == 0 and not ongoing):
+        if length < collapse_steps or (first == 0 and records[0].step == 0 and not ongoing):
             continue
         run = records[first:first + length]
         scales = [r.scale for r in run if r.scale is not None]
@@ -90,6 +92,60 @@ def collapse_findings(records: Sequence[StepRecord], collapse_steps: int, backof
             "loss-scale-collapse", "error" if ongoing else "warning", "", "", "backward",
             f"loss scale collapsed: {length} consecutive skipped steps from step {start}", expl, ev, fixes, start))
     return out
+
+
+def health_finding(h: ScaleHealth, o: WatchOptions, backoff: float) -> Finding | None:
+    """The whole run's loss-scale health as one ``loss-scale-collapse`` error, or ``None`` when healthy.
+
+    Chronic: after GradScaler's initial calibration (the skips from step 0 up to the first applied step), more than
+    ``collapse_skip_rate`` of at least ``collapse_min_steps`` steps were skipped. Sunk: the scale ends
+    ``collapse_scale_bits`` powers of two or more below its peak after calibration. Either way most updates never
+    happened.
+    """
+    calib = h.initial_run if h.initial_run < h.steps else 0
+    steps, skipped = h.steps - calib, h.skipped - calib
+    rate = skipped / steps if steps else 0.0
+    chronic = steps >= o.collapse_min_steps and rate > o.collapse_skip_rate
+    final = None if h.last is None else h.last * (backoff if h.run else 1.0)
+    sunk = (h.peak is not None and final is not None and final > 0
+            and math.log2(h.peak / final) >= o.collapse_scale_bits) or (final == 0.0 and bool(h.peak))
+    if not (chronic or sunk):
+        return None
+    trajectory = [[s, v] for s, v in h.changes]
+    ev: dict[str, Any] = {
+        "skipped_steps": h.skipped, "steps": h.steps, "skip_rate": h.skipped / h.steps if h.steps else 0.0,
+        "skip_rate_after_calibration": rate, "calibration_skips": calib, "longest_skip_run": h.longest,
+        "longest_skip_run_start": h.longest_start, "scale_peak": h.peak, "scale_final": final,
+        "scale_trajectory": trajectory, "chronic": chronic, "sunk": sunk, "ongoing": h.run > 0,
+    }
+    why = []
+    if chronic:
+        why.append(f"{skipped} of {steps} steps after calibration were skipped ({100 * rate:.0f}%, threshold "
+                   f"{100 * o.collapse_skip_rate:.0f}%)")
+    if sunk and h.peak is not None and final is not None:
+        why.append(f"the scale fell from its peak {h.peak:g} to {final:g} and stayed there")
+    expl = (f"Over the whole run GradScaler skipped {h.skipped} of {h.steps} optimizer steps (longest run: "
+            f"{h.longest} from step {h.longest_start}); " + "; ".join(why) + ". Most updates never reached the "
+            "weights: some op produces non-finite gradients at almost every scale. The scaler only reacts.")
+    fixes = (
+        FixProposal("locate the op producing the non-finite gradients: replay the reproducer",
+                    "ampdoctor replay repro/stepNNNNNN-loss-scale-collapse.pt --factory mypkg:build_model"),
+        FixProposal("train in bf16 autocast, which needs no loss scaling",
+                    "with torch.autocast(device_type, dtype=torch.bfloat16):\n    loss = model(batch)"),
+    )
+    return Finding("loss-scale-collapse", "error", "", "", "backward",
+                   f"loss scale collapsed over the run: {h.skipped} of {h.steps} steps skipped", expl, ev, fixes,
+                   max(h.longest_start, 0))
+
+
+def with_health(findings: list[Finding], health: Finding | None) -> list[Finding]:
+    """The run-wide collapse error replaces the per-episode ``loss-scale-collapse`` findings (kept as episodes)."""
+    if health is None:
+        return findings
+    episodes = [f for f in findings if f.code == "loss-scale-collapse"]
+    base = dict(episodes[-1].evidence) if episodes else {}
+    ev = {**base, **health.evidence, "episodes": [dict(f.evidence) for f in episodes][:8]}
+    return [dataclasses.replace(health, evidence=ev)] + [f for f in findings if f.code != "loss-scale-collapse"]
 
 
 def nonfinite_findings(records: Sequence[StepRecord], owners: dict[str, str]) -> list[Finding]:
@@ -257,6 +313,8 @@ __all__ = [
     "collapse_findings",
     "coverage_findings",
     "group_by_owner",
+    "health_finding",
+    "with_health",
     "low_precision_findings",
     "merge_replay",
     "nonfinite_findings",

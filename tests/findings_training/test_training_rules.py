@@ -101,7 +101,7 @@ def test_loss_scale_collapse_names_the_op_making_nonfinite_grads() -> None:
     assert f.evidence["autograd_node"] == "PowBackward0"
     scales = f.evidence["scales"]
     assert scales == [2.0 ** 15, 2.0 ** 14, 2.0 ** 13, 2.0 ** 12, 2.0 ** 11]  # halved on every skipped step
-    assert f.evidence["skipped_steps"] == 4
+    assert f.evidence["skipped_steps"] == 5        # all five, step 0 included (the scale started at 2**16)
     assert report.findings[0].code in ("overflow", "loss-scale-collapse")
     assert report.findings[0].phase == "backward"
 

@@ -155,3 +155,34 @@ def test_cli_run_of_a_missing_script_is_exit_2(tmp_path) -> None:
 
     res = CliRunner().invoke(main, ["run", "--", "python", str(tmp_path / "nope.py")])
     assert res.exit_code == 2 and "script not found" in res.output
+
+
+def test_cli_run_of_a_chronic_scale_collapse_is_an_error_exit(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from ampdoctor.cli import main
+
+    p = tmp_path / "collapse.py"
+    p.write_text(textwrap.dedent("""
+        import torch
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 1)
+        o = torch.optim.SGD(m.parameters(), lr=0.01)
+        sc = torch.amp.GradScaler("cpu")
+        for i in range(24):
+            o.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = m(torch.randn(8, 4)).float().pow(2).mean()
+            if i % 3 != 2:
+                loss = loss * float("inf")          # GradScaler skips two steps of every three
+            sc.scale(loss).backward()
+            sc.step(o)
+            sc.update()
+    """))
+    res = CliRunner().invoke(main, ["run", "--json", str(tmp_path / "r.json"), "--", "python", str(p)])
+    assert res.exit_code == 1, res.output
+    import json
+
+    rep = json.loads((tmp_path / "r.json").read_text())
+    f = next(f for f in rep["findings"] if f["code"] == "loss-scale-collapse")
+    assert f["severity"] == "error" and f["evidence"]["skipped_steps"] == 16

@@ -540,3 +540,37 @@ def test_ampdoctor_watch_is_the_function_and_its_module_the_namespace() -> None:
             m(batches(1)[0])                   # an evaluation forward between steps is not a step
     assert w.report().summary["steps"] == 2
     assert ampdoctor.replay is aw.replay and ampdoctor.load_reproducer is aw.load_reproducer
+
+
+# ------------------------------------------------------------------------------------------- loss-scale health
+def _scaled_run(skips: set[int], n: int) -> Report:
+    m, opt = fresh()
+    sc = torch.amp.GradScaler("cpu")
+    with watch(m, opt, sc, locate=False) as w:
+        train(m, opt, batches(n), w, scaler=sc, loss_mul={i: math.inf for i in skips})
+    return w.report()
+
+
+def test_chronic_collapse_without_a_long_run_is_an_error_at_the_end() -> None:
+    skips = {i for i in range(24) if i % 3 != 2}          # skip, skip, apply: never 3 in a row
+    r = _scaled_run(skips, 24)
+    f = next(f for f in r.findings if f.code == "loss-scale-collapse")
+    assert f.severity == "error" and not r.ok
+    assert (f.evidence["skipped_steps"], f.evidence["steps"], f.evidence["longest_skip_run"]) == (16, 24, 2)
+    assert f.evidence["chronic"] and f.evidence["scale_trajectory"][0] == [0, 65536.0]
+    assert r.summary["skipped_steps"] == 16
+
+
+def test_early_long_collapse_that_recovers_late_is_still_an_error() -> None:
+    # the newcomer review's run: steps 0-21 and 23-28 skipped, 28 of 30, scale 65536 -> ~2e-4
+    r = _scaled_run(set(range(22)) | set(range(23, 29)), 30)
+    f = r.findings[0]
+    assert (f.code, f.severity) == ("loss-scale-collapse", "error")
+    assert f.evidence["skipped_steps"] == 28 and f.evidence["longest_skip_run"] == 22
+    assert f.evidence["scale_final"] < 1e-3
+    assert f.evidence["calibration_skips"] == 22 and f.evidence["skip_rate_after_calibration"] == 0.75
+
+
+def test_initial_calibration_is_healthy() -> None:
+    r = _scaled_run({0, 1, 2, 3}, 16)                     # GradScaler finding its scale: normal
+    assert "loss-scale-collapse" not in r.codes() and r.summary["skipped_steps"] == 4
