@@ -61,6 +61,7 @@ class _Runner:
         self._opt_handle: Any = None
         self._tries = 0
         self._scanned: set[int] = set()
+        self._extra_handles: list[Any] = []
 
     def __enter__(self) -> _Runner:
         self._opt_handle = register_optimizer_step_pre_hook(self._on_step)
@@ -68,7 +69,7 @@ class _Runner:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for h in (self._fwd_handle, self._opt_handle):
+        for h in (self._fwd_handle, self._opt_handle, *self._extra_handles):
             if h is not None:
                 h.remove()
         self._fwd_handle = self._opt_handle = None
@@ -90,8 +91,11 @@ class _Runner:
                 and any(id(p) in ids for g in o.param_groups for p in g["params"])]
         self._tries += 1
         if opts:
+            rng = {"cpu": torch.get_rng_state(), "cuda": None}   # before this forward draws from it
             for o in opts:
-                self._attach(self._owner(o, module), o)
+                w = self._attach(self._owner(o, module), o)
+                if w.model is module:
+                    self._first_call(w, rng)
         if opts or self._tries >= _MAX_FORWARD_TRIES:
             self._fwd_handle.remove()
             self._fwd_handle = None
@@ -143,12 +147,27 @@ class _Runner:
             log.info("ampdoctor run: %d GradScalers exist; watching without scaler", len(scalers))
         return scalers[0] if len(scalers) == 1 else None
 
-    def _attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def _attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Watch:
         self.watched.add(id(optimizer))
         w = watch(model, optimizer, self._scaler(), source=self.source, **self.options)
         w.__enter__()
         self.watches.append(w)
         log.info("ampdoctor run: watching %s with %s", type(model).__name__, type(optimizer).__name__)
+        return w
+
+    def _first_call(self, w: Watch, rng: dict[str, Any]) -> None:
+        """The watch was attached inside its model's first forward, too late for its own pre-hook: record that
+        forward's args/kwargs when it returns (a global hook sees kwargs only after the call), with the RNG state
+        from before it, so a failure at step 0 has its inputs."""
+        handle: list[Any] = []
+
+        def after(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if module is w.model:
+                handle[0].remove()
+                w.observe_call(tuple(args), dict(kwargs), rng)
+
+        handle.append(nn.modules.module.register_module_forward_hook(after, with_kwargs=True))
+        self._extra_handles.append(handle[0])
 
     def report(self, ended: dict[str, Any]) -> Report:
         reports = [w.report() for w in self.watches]

@@ -186,3 +186,26 @@ def test_cli_run_of_a_chronic_scale_collapse_is_an_error_exit(tmp_path) -> None:
     rep = json.loads((tmp_path / "r.json").read_text())
     f = next(f for f in rep["findings"] if f["code"] == "loss-scale-collapse")
     assert f["severity"] == "error" and f["evidence"]["skipped_steps"] == 16
+
+
+@pytest.mark.parametrize("bad", [0, 5])
+def test_run_failure_at_step_0_and_5_replays_in_process_and_from_the_file(script, tmp_path, monkeypatch, bad) -> None:
+    from click.testing import CliRunner
+
+    from ampdoctor.cli import main
+    from ampdoctor.watch import load_reproducer
+
+    repro = tmp_path / "repro"
+    r = run_script([str(script), "7", str(bad)], reproducer_dir=str(repro))
+    assert (r.findings[0].code, r.findings[0].phase) == ("nonfinite-input", "forward")    # located in process
+    files = sorted(repro.iterdir())
+    assert files and files[0].name == f"step{bad:06d}-nonfinite-grads.pt"
+    rep = load_reproducer(files[0])
+    assert rep["batch"] is not None and not torch.isfinite(rep["batch"]).all()   # step 0's inputs were recorded
+    monkeypatch.chdir(script.parent)
+    res = CliRunner().invoke(main, ["replay", str(files[0]), "--factory", f"{script.stem}:Net",
+                                    "--json", str(tmp_path / "r.json")])
+    assert res.exit_code == 1, res.output
+    import json
+
+    assert json.loads((tmp_path / "r.json").read_text())["findings"][0]["code"] == "nonfinite-input"
