@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampdoctor.errors import DiagnosisError
 from ampdoctor.precision._runner import RunResult
 from ampdoctor.precision._spec import ScenarioError
 from ampdoctor.precision._step import LOW_DTYPES, _gemm_context, _NoAutocast, _precision_context, device_of
@@ -229,8 +230,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, precision: str, max_n
                 t_logits, t_run, cache_records = _traced(tgt, new, ids)
                 traced = (t_run, r_run)
             else:
-                r_logits = ref.step(new, ids)
-                t_logits = tgt.step(new, ids)
+                r_logits = _checked(ref, new, ids, step, precision)
+                t_logits = _checked(tgt, new, ids, step, precision)
             nxt, row = _compare(r_logits, t_logits, _cache_ok(tgt))
             rows.append(row)
             tokens.append(nxt)
@@ -248,6 +249,23 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, precision: str, max_n
                                 float(d["ref_margin"]), float(d["target_gap"]), float(d["logit_err"]),
                                 float(d["logit_rms"]), bool(d["finite"]), bool(d["cache_finite"])))
     return Generation(stats, prompt_len, cache_name, [int(s.ref_token) for s in stats], traced, cache_records)
+
+
+def _checked(side: _Side, new: torch.Tensor, ids: torch.Tensor, step: int, precision: str) -> torch.Tensor:
+    """``side.step``, with a crash turned into an error that says which run and which decode step."""
+    try:
+        return side.step(new, ids)
+    except ScenarioError:
+        raise
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        if side.reference:
+            raise ScenarioError(
+                f"the model cannot decode step {step} (sequence length {ids.shape[1]}) even in float32: "
+                f"{type(e).__name__}: {first}. Check that it is a causal LM taking input_ids (and a cache), and that "
+                "prompt + max_new_tokens fits its context length") from e
+        raise DiagnosisError(f"the {precision} run raised {type(e).__name__} at decode step {step} where fp32 did "
+                             f"not: {first}. Run that step without ampdoctor to see the full traceback") from e
 
 
 def _traced(side: _Side, new: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, RunResult, set[int]]:

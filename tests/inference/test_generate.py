@@ -77,6 +77,34 @@ def test_prefill_failure_is_placed_at_its_position_within_the_prompt() -> None:
         "overflow", "transformer.h.1.mlp.c_fc", 0, SPIKE_FROM)
 
 
+def test_generation_leaves_everything_as_found(digest) -> None:  # noqa: ANN001
+    model = gpt2(spike=True, overflow=True)
+    before = digest(model)
+    ampdoctor.diagnose_generate(model, prompt(), precision="fp16", max_new_tokens=7)  # traces the failing step
+    assert digest(model) == before
+
+
+class ShortLM(nn.Module):
+    """Refuses sequences longer than 5 tokens (a context limit), in every precision."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] > 5:
+            raise IndexError("position out of range")
+        return self.head(self.emb(input_ids))
+
+
+def test_a_model_that_cannot_decode_that_far_says_what_to_check(digest) -> None:  # noqa: ANN001
+    model = ShortLM()
+    before = digest(model)
+    with pytest.raises(ScenarioError, match="decode step 3 .*even in float32.*max_new_tokens"):
+        ampdoctor.diagnose_generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=6)
+    assert digest(model) == before
+
+
 def _stat(**kw: float) -> DecodeStat:
     base = dict(step=3, position=6, ref_token=1, target_token=2, ref_margin=0.01, target_gap=0.005,
                 logit_err=0.01, logit_rms=1.0, finite=True, cache_finite=True)
