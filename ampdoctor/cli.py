@@ -186,20 +186,26 @@ def demo(json_dir: str | None, steps: int) -> None:
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
               help="training steps of each verification run")
 @click.option("--save", "save_path", type=click.Path(dir_okay=False), default=None,
-              help="write the fixed model's state_dict (torch.save) to this path")
+              help="write the fix to this path: the fixed model's state_dict when the fix changed weights, "
+                   "else the code to apply (the message says which)")
+@click.option("--fp32-policy", "fp32_policy", is_flag=True, default=False,
+              help="search the smallest set of implicated modules to keep in float32 so the run verifies, and "
+                   "print it as a _keep_in_fp32_modules list and an autocast-disable snippet")
 @click.option("--policy", type=click.Choice(["cuda", "native"]), default="cuda",
               help="autocast op policy for *-amp: CUDA's (emulated off-GPU) or the device's own")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
               help="write the report with every verified fix as JSON")
-def fix_cmd(file: str, which: str, steps: int, save_path: str | None, policy: str, json_out: str | None) -> None:
+def fix_cmd(file: str, which: str, steps: int, save_path: str | None, fp32_policy: bool, policy: str,
+            json_out: str | None) -> None:
     """Diagnose FILE, verify the proposed fixes against fp32 and apply one (exit 0: a verified fix was applied)."""
-    import torch
     from rich.syntax import Syntax
 
     from ampdoctor.fixes import FIXES, diagnose_and_fix
     from ampdoctor.fixes import fix as apply_fix
     from ampdoctor.precision import load_scenario_module
 
+    if fp32_policy:
+        _fp32_policy(file, steps, policy)
     if which != "best" and which not in FIXES:
         _fail(f"invalid --apply {which!r}: expected 'best' or one of {', '.join(sorted(FIXES))}")
     try:
@@ -213,21 +219,73 @@ def fix_cmd(file: str, which: str, steps: int, save_path: str | None, policy: st
 
         write_json(report, json_out)
     try:
-        model = load_scenario_module(file).make()["model"]  # a fresh model: make() builds new objects
+        if os.path.isfile(file):
+            module = load_scenario_module(file)
+        else:  # a built-in scenario name (diagnose_and_fix accepted it)
+            from ampdoctor.scenarios import load_scenario
+
+            module = load_scenario(file)
+        model = module.make()["model"]  # a fresh model: make() builds new objects
         result = apply_fix(model, report, which=which)
     except (AmpDoctorError, ValueError) as e:
         console.print(f"no fix applied: {e}")
         sys.exit(1)
     for line in result.applied:
         console.print(f"applied: {line}")
+    if result.snippet:
+        console.print("the fix as code (paste into your model or training script):")
+        console.print(Syntax(result.snippet, "python"))
     for change in result.training_changes:
-        if isinstance(change, str):
+        if isinstance(change, str) and change != result.snippet:
             console.print("change in your training loop:")
             console.print(Syntax(change, "python"))
     if save_path:
-        torch.save(result.model.state_dict(), save_path)
-        console.print(f"fixed model's state_dict written to {save_path}")
+        console.print(_save_fix(model, result, save_path))
     sys.exit(0 if result.proposal.verified else 1)
+
+
+def _weights_changed(before: dict[str, Any], after: dict[str, Any]) -> bool:
+    import torch
+
+    if before.keys() != after.keys():
+        return True
+    return any(b.dtype != a.dtype or b.shape != a.shape or not torch.equal(b, a.to(b.device))
+               for b, a in ((before[k], after[k]) for k in before) if isinstance(b, torch.Tensor))
+
+
+def _save_fix(model: Any, result: Any, path: str) -> str:
+    """``--save``: the state_dict only when the fix changed weights (dtypes or values), else the code to apply."""
+    import torch
+
+    after = result.model.state_dict()
+    if _weights_changed(model.state_dict(), after):
+        torch.save(after, path)
+        return f"the fix changed the weights: the fixed model's state_dict is written to {path}"
+    code = result.snippet or "\n\n".join(c for c in result.training_changes if isinstance(c, str))
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(f"# ampdoctor fix: {result.proposal.id}\n# {'; '.join(result.applied)}\n{code}\n")
+    return (f"the fix changes no weights (it changes how modules run): its code is written to {path}; "
+            "no state_dict was saved, it would equal your model's")
+
+
+def _fp32_policy(file: str, steps: int, policy: str) -> None:
+    from rich.syntax import Syntax
+
+    from ampdoctor.fixes import minimal_fp32_policy
+
+    try:
+        result = minimal_fp32_policy(file, steps=steps, policy=policy)
+    except (AmpDoctorError, ValueError) as e:
+        _fail(str(e))
+    console = _console()
+    cost = "unknown" if result.fp32_flop_fraction is None else f"{result.fp32_flop_fraction:.1%}"
+    verdict = "verifies" if result.verified else "does NOT verify (even the whole implicated set)"
+    console.print(f"minimal keep-in-fp32 set ({len(result.tried)} sets tried): {', '.join(result.modules)}; "
+                  f"{verdict}; cost: {cost} of the step's FLOPs move to float32")
+    if not result.verified:
+        console.print(f"why: {result.verification.get('reason', '')}")
+    console.print(Syntax(result.snippet(), "python"))
+    sys.exit(0 if result.verified else 1)
 
 
 def _fix_table(report: Any, steps: int) -> Any:

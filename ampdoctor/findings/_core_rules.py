@@ -344,8 +344,8 @@ def unused_parameters(ctx: Context) -> list[Candidate]:
                             f"for p in model.{owner}.parameters():\n    p.requires_grad_(False)" if owner else "",
                             id="exclude_unused",
                             params={"parameters": params}),
-                FixProposal("build the model without the unused part (e.g. BertModel(..., add_pooling_layer=False))",
-                            "model = BertModel(config, add_pooling_layer=False)"),
+                FixProposal("build the model without the unused part (a constructor option, or delete the module "
+                            "before training)"),
                 FixProposal("under DDP, let it tolerate unused parameters",
                             "DistributedDataParallel(model, find_unused_parameters=True)"),
             )

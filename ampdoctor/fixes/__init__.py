@@ -28,6 +28,7 @@ from torch import nn
 from ampdoctor.errors import NoFixError
 from ampdoctor.findings import Finding, FixProposal, Report
 from ampdoctor.fixes._actions import FIXES, FixAction, FixContext, FixPlan, build_plan, register_fix
+from ampdoctor.fixes._policy import Fp32Policy, minimal_fp32_policy
 from ampdoctor.fixes._tolerance import TOLERANCES, Tolerance
 from ampdoctor.fixes._verify import (
     DEFAULT_STEPS,
@@ -49,7 +50,8 @@ class FixResult:
     ``model`` is the fixed model (a copy unless ``inplace=True``), prepared for ``precision`` (cast to fp16/bf16
     when that is a whole-model precision, float32 otherwise); ``applied`` describes each change made to it;
     ``training_changes`` are what the training loop must change itself (code snippets, and objects such as a
-    configured ``GradScaler``); ``snippet`` is the fix written as source code to paste.
+    configured ``GradScaler``); ``snippet`` is the fix written as source code to paste. :meth:`remove` undoes the
+    fix on ``model`` (hooks, dtypes, ``requires_grad``, replaced attributes), e.g. after ``inplace=True``.
     """
 
     model: nn.Module
@@ -59,6 +61,49 @@ class FixResult:
     precision: str | None = None
     snippet: str = ""
     params: dict[str, Any] = field(default_factory=dict)
+    undo: _Undo | None = None
+
+    def remove(self) -> None:
+        """Undo the fix on :attr:`model`: its forward hooks go, parameters and buffers get back their dtype and
+        ``requires_grad``, attributes it set on modules are deleted. Idempotent."""
+        if self.undo is not None:
+            self.undo.restore(self.model)
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
+_HOOK_SIDE = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+class _Undo:
+    """What a model looked like before a fix: hook ids, tensor dtypes and flags, instance attributes."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.hooks = {name: {d: set(getattr(m, d)) for d in _HOOK_DICTS} for name, m in model.named_modules()}
+        self.attrs = {name: set(vars(m)) for name, m in model.named_modules()}
+        # references, not copies: a parameter the fix does not cast costs nothing; one it casts keeps its original
+        # tensor, so remove() restores it exactly (an fp32 -> fp16 -> fp32 round trip would not)
+        self.params = {n: (p.data, p.requires_grad) for n, p in model.named_parameters()}
+        self.buffers = {n: b for n, b in model.named_buffers()}
+
+    def restore(self, model: nn.Module) -> None:
+        for name, m in model.named_modules():
+            for d in _HOOK_DICTS:
+                for hid in set(getattr(m, d)) - self.hooks.get(name, {}).get(d, set()):
+                    getattr(m, d).pop(hid, None)
+                    for side in _HOOK_SIDE:
+                        getattr(m, side).pop(hid, None)
+            for attr in set(vars(m)) - self.attrs.get(name, set(vars(m))):
+                delattr(m, attr)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                data, req = self.params.get(n, (p.data, p.requires_grad))
+                if p.dtype != data.dtype:
+                    p.data = data
+                p.requires_grad_(req)
+            for n, b in list(model.named_buffers()):
+                if n in self.buffers and b.dtype != self.buffers[n].dtype:
+                    owner, _, leaf = n.rpartition(".")
+                    model.get_submodule(owner)._buffers[leaf] = self.buffers[n]
 
 
 def _candidates(report: Report) -> list[tuple[FixProposal, Finding]]:
@@ -123,6 +168,7 @@ def fix(model: nn.Module, report: Report, *, which: Any = "best", inplace: bool 
     plan = build_plan(proposal.id, params, ctx)
     _check_names(model, plan)
     target = model if inplace else copy.deepcopy(model)
+    undo = _Undo(target)
     precision = plan.spec_changes.get("precision", report.precision)
     applied: list[str] = []
     if precision in _WHOLE:
@@ -134,7 +180,7 @@ def fix(model: nn.Module, report: Report, *, which: Any = "best", inplace: bool 
         transform(target, None, None)
     applied.append(plan.description)
     changes = list(plan.training_changes)
-    return FixResult(target, applied, changes, proposal, precision, plan.snippet, dict(plan.params))
+    return FixResult(target, applied, changes, proposal, precision, plan.snippet, dict(plan.params), undo)
 
 
 def _check_names(model: nn.Module, plan: FixPlan) -> None:
@@ -158,7 +204,9 @@ __all__ = [
     "FixContext",
     "FixPlan",
     "FixResult",
+    "Fp32Policy",
     "NoFixError",
+    "minimal_fp32_policy",
     "Tolerance",
     "Verification",
     "apply_plan",

@@ -258,8 +258,7 @@ def exclude_unused(params: dict[str, Any], ctx: FixContext) -> FixPlan:
                "        p.requires_grad_(False)")
     opt = ("optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=...)  "
            "# build it (and any DDP wrapper) after freezing")
-    build = ("or build the model without the unused module, e.g. "
-             "BertModel(config, add_pooling_layer=False) / AutoModel.from_pretrained(..., add_pooling_layer=False)")
+    build = "or build the model without the unused module (a constructor option, or delete it before training)"
     return FixPlan("exclude_unused", {"parameters": names}, desc, snippet, (ExcludeParameters(tuple(names)),), {},
                    (opt, build))
 
