@@ -143,6 +143,13 @@ class _Runner:
 
     def _scaler(self) -> torch.amp.GradScaler | None:
         scalers = [s for s in self._objects(torch.amp.GradScaler) if s.is_enabled()]
+        if len(scalers) > 1:        # unreachable ones from earlier code may linger in reference cycles
+            gc.collect()
+            scalers = [s for s in self._objects(torch.amp.GradScaler) if s.is_enabled()]
+        if len(scalers) > 1:        # prefer the script's own (a global of its __main__)
+            main = vars(sys.modules.get("__main__", sys))
+            own = [s for s in scalers if any(v is s for v in main.values())]
+            scalers = own if own else scalers
         if len(scalers) > 1:
             log.info("ampdoctor run: %d GradScalers exist; watching without scaler", len(scalers))
         return scalers[0] if len(scalers) == 1 else None
