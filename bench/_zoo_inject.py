@@ -104,8 +104,9 @@ def _pick(rng: random.Random, names: list[str], what: str) -> str:
 
 def _linear_candidates(model: nn.Module, p: Probe) -> list[str]:
     mods = dict(model.named_modules())
+    owned = dict(model.named_parameters())  # a tied weight is listed once, under its first owner
     return [n for n in p.ran if is_weighted_leaf(mods[n]) and p.weight_grad.get(n) and p.out_shape.get(n)
-            and p.out_absmax.get(n, 0.0) > 0]
+            and p.out_absmax.get(n, 0.0) > 0 and f"{n}.weight" in owned]
 
 
 def _subclass(m: nn.Module, extra: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> None:
@@ -198,9 +199,7 @@ def _bf16_island(self: nn.Module, y: torch.Tensor) -> torch.Tensor:
 def low_precision_update(model: nn.Module, p: Probe, rng: random.Random) -> Injection:
     """One Linear/Conv keeps its weights in bf16 (no fp32 master copy); AdamW's small steps round away."""
     mods = dict(model.named_modules())
-    name = _pick(rng, [n for n in _linear_candidates(model, p) if isinstance(mods[n], (nn.Linear, nn.Conv2d,
-                                                                                       nn.Conv1d))],
-                 "low-precision-update")
+    name = _pick(rng, _linear_candidates(model, p), "low-precision-update")
     m = mods[name]
     m.to(torch.bfloat16)
     base = type(m)
@@ -209,4 +208,4 @@ def low_precision_update(model: nn.Module, p: Probe, rng: random.Random) -> Inje
         return base.forward(self, x.to(self.weight.dtype), *args, **kwargs).float()
 
     m.__class__ = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__})
-    return Injection(name, overrides={"lr": 2e-5})
+    return Injection(name, overrides={"lr": 5e-6})

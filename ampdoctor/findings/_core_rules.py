@@ -52,6 +52,18 @@ def _loss_scale_at(ctx: Context, step: int) -> float | None:
     return before[step] if step < len(before) else None
 
 
+def scale_explains(ctx: Context, r: OpRecord) -> float | None:
+    """The loss scale when only it pushes backward record ``r`` over the format's max (unscaled, the fp32 value
+    fits): GradScaler then skips the step and backs off, which is calibration, not a fault."""
+    if r.phase != "backward":
+        return None
+    scale = _loss_scale_at(ctx, r.step)
+    ref = ctx.ref(r)
+    if scale is None or scale <= 1 or ref is None or not math.isfinite(ref.stats.get("absmax", math.inf)):
+        return None
+    return scale if ref.stats["absmax"] / scale <= limits(r.dtype)[0] else None
+
+
 @rule("overflow", severity="error", precedence=40,
       summary="a value finite in fp32 exceeds the format's range: inf (or clipped) in the target")
 def overflow(ctx: Context) -> list[Candidate]:
@@ -97,8 +109,8 @@ def overflow(ctx: Context) -> list[Candidate]:
         fixes = [keep_fp32_fix(r.module)] if r.module else []
         fixes.append(bf16_fix(ctx.spec.precision))
         severity = "error"
-        scale = _loss_scale_at(ctx, r.step) if r.phase == "backward" else None
-        if scale is not None and scale > 1 and "ref_absmax" in ev and ev["ref_absmax"] / scale <= fmax:
+        scale = scale_explains(ctx, r)
+        if scale is not None:
             # only the loss scale pushes this gradient over the max: GradScaler skips the step and backs off
             severity = "warning"
             ev["loss_scale"] = scale
@@ -131,8 +143,10 @@ def nan_from_inf(ctx: Context) -> list[Candidate]:
                    "origin": ctx.describe(o.record)})
         expl = (f"{where(nan)} receives {inf_in} inf value(s) that started at {where(o.record)} and returns "
                 f"{int(nan.stats['n_nan'])} NaN (inf - inf, inf * 0 or inf/inf). Fix the origin, not this op.")
+        # NaN made from a gradient that only the loss scale pushed over the max: GradScaler skips this step
+        severity = "warning" if scale_explains(ctx, o.record) is not None else "error"
         out.append(Candidate(Finding(
-            "nan-from-inf", "error", nan.module, nan.op, nan.phase,  # type: ignore[arg-type]
+            "nan-from-inf", severity, nan.module, nan.op, nan.phase,  # type: ignore[arg-type]
             f"inf becomes NaN at {op_base(nan.op)} in {nan.module or '<root>'}", expl, ev, (), nan.step),
             o.record.index))
     return out

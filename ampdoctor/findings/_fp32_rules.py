@@ -220,11 +220,9 @@ def _buffer_names(ctx: Context) -> list[tuple[str, Any]]:
         return []
 
 
-def _buffer_target_dtype(ctx: Context, b: Any) -> str:
-    prec = ctx.spec.precision
-    if prec in ("fp16", "bf16"):
-        return "float16" if prec == "fp16" else "bfloat16"  # the runner casts the whole model, buffers included
-    return dtype_name(b.dtype)
+#: angle error bound (|max angle| * unit roundoff, radians) above which a low-precision frequency buffer changes
+#: what sin/cos compute rather than their last digits
+TRIG_ERROR_LIMIT = 1.0
 
 
 def _rope(ctx: Context) -> list[Candidate]:
@@ -282,27 +280,12 @@ def _rope(ctx: Context) -> list[Candidate]:
                         id="switch_precision",
                         params={"precision": "bf16-amp" if dt == "bfloat16" else "fp16-amp"}),
         )
+        # the rounding can move the angle by more than TRIG_ERROR_LIMIT radians: sin/cos are then meaningless (an
+        # error, ranked before what it feeds); below that (short positions) it is a warning about latent drift
+        severity = "error" if angle * u > TRIG_ERROR_LIMIT else "warning"
         out.append(Candidate(Finding(
-            "must-stay-fp32", "warning", owner, at.op, "forward",
+            "must-stay-fp32", severity, owner, at.op, "forward",  # type: ignore[arg-type]
             f"rotary frequencies {ev['buffer']} stored in {dt}", expl, ev, fixes, at.step), at.index))
-    # buffers named like RoPE frequencies that no traced sin/cos read (fused kernels): dtype alone
-    seen_owners = {".".join(n.split(".")[:-1]) for n in seen_names}
-    for name, b in buffers:
-        dt = _buffer_target_dtype(ctx, b)
-        owner = ".".join(name.split(".")[:-1])
-        if owner in seen_owners or not name.split(".")[-1].endswith("inv_freq") or dt not in ("float16", "bfloat16"):
-            continue
-        seen_owners.add(owner)
-        u = unit_roundoff(dt)
-        out.append(Candidate(Finding(
-            "must-stay-fp32", "warning", owner, "", "setup", f"rotary frequencies {name} stored in {dt}",
-            f"The buffer {name} (rotary frequencies) is held in {dt}: each frequency is rounded by up to {fmt(u)} "
-            "relative, and every angle position * freq inherits it.",
-            {"buffer": name, "buffer_dtype": dt, "unit_roundoff": u},
-            (FixProposal("keep the frequency buffer in float32 after casting the model",
-                         f"model.get_buffer('{name}').data = model.get_buffer('{name}').data.float()  "
-                         "# better: recompute it in fp32", id="keep_fp32_buffers", params={"buffers": [name]}),)),
-            RUN_END))
     return out
 
 
