@@ -63,12 +63,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm()) / den if den > 0 else float((a - b).norm())
 
 
-def model_numbers(name: str, rounds: int) -> dict[str, Any]:
+def model_numbers(name: str, rounds: int, precisions: list[str]) -> dict[str, Any]:
     model, _, batch = _models.build(name)
     loss32, _ = _step(model, batch, None, False)
     ref = _grads(model)
     out: dict[str, Any] = {"config": name, "loss_fp32": loss32, "precisions": {}}
-    for precision in DTYPES:
+    for precision in precisions:
         res: dict[str, Any] = {}
         grads = {}
         times: dict[str, list[float]] = {"cuda": [], "native": []}
@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", default="small,big")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--precisions", default=",".join(DTYPES), help="comma-separated: " + ", ".join(DTYPES))
     ap.add_argument("--only", default=None, help="comma-separated case-name substrings (default: all)")
     ap.add_argument("--no-cases", action="store_true")
     ap.add_argument("--out", default=os.path.join(RESULTS, "gemm"))
@@ -178,7 +179,10 @@ def main(argv: list[str] | None = None) -> None:
                     "nproc": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
                     "loadavg_start": [round(x, 2) for x in os.getloadavg()]},
     }
-    res["models"] = [model_numbers(c, args.rounds) for c in args.configs.split(",") if c]
+    precisions = [p for p in args.precisions.split(",") if p]
+    if any(p not in DTYPES for p in precisions):
+        ap.error(f"--precisions: expected some of {', '.join(DTYPES)}")
+    res["models"] = [model_numbers(c, args.rounds, precisions) for c in args.configs.split(",") if c]
     res["cases"] = [] if args.no_cases else diagnoses(args.only.split(",") if args.only else None)
     res["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     write(res, args.out)
