@@ -70,10 +70,18 @@ def is_replaying() -> bool:
     return _REPLAYING.get()
 
 
-def to_saveable(obj: Any, dropped: list[str] | None = None, where: str = "") -> Any:
+def to_saveable(obj: Any, dropped: list[str] | None = None, where: str = "",
+                _path: frozenset[int] = frozenset()) -> Any:
     """A copy of ``obj`` that ``torch.load(weights_only=True)`` can read: tensors become detached CPU copies,
-    mappings ``dict``, lists/tuples keep their kind; anything else becomes ``None`` (its path goes to
-    ``dropped``). Copies from an accelerator synchronise (only done when a reproducer is written)."""
+    mappings ``dict``, lists/tuples keep their kind; anything else, and a container that contains itself, becomes
+    ``None`` (its path goes to ``dropped``). Copies from an accelerator synchronise (only done when a reproducer
+    is written)."""
+    if isinstance(obj, (Mapping, list, tuple)):
+        if id(obj) in _path:
+            if dropped is not None:
+                dropped.append(f"{where or '<batch>'}: cycle")
+            return None
+        _path = _path | {id(obj)}
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if obj is None or isinstance(obj, bool):
@@ -84,10 +92,10 @@ def to_saveable(obj: Any, dropped: list[str] | None = None, where: str = "") -> 
     if isinstance(obj, torch.dtype):
         return str(obj)
     if isinstance(obj, Mapping):
-        return {to_saveable(k): to_saveable(v, dropped, f"{where}.{k}") for k, v in obj.items()
+        return {to_saveable(k): to_saveable(v, dropped, f"{where}.{k}", _path) for k, v in obj.items()
                 if isinstance(k, (str, int, float, bool))}
     if isinstance(obj, (list, tuple)):
-        items = [to_saveable(v, dropped, f"{where}[{i}]") for i, v in enumerate(obj)]
+        items = [to_saveable(v, dropped, f"{where}[{i}]", _path) for i, v in enumerate(obj)]
         return tuple(items) if isinstance(obj, tuple) else items
     if dropped is not None:
         dropped.append(f"{where or '<batch>'}: {type(obj).__name__}")
