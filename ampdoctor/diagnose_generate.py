@@ -25,6 +25,7 @@ from ampdoctor.precision import (
     Generation,
     StepSpec,
     compare_compiled_generation,
+    decoder_start,
     first_position,
     generate,
     keep_fp32_transform,
@@ -82,8 +83,10 @@ def diagnose_generate(model: nn.Module, input_ids: torch.Tensor, *, precision: s
                              transforms=transforms, trace_step=first.step)
         curves: dict[str, list[float]] = {}
         if first.step == 0:  # the prefill spans the whole prompt: find the position within it per module
-            curves = position_profile(model, {"input_ids": input_ids}, precision=precision, policy=policy,
-                                      transforms=transforms)
+            batch: dict[str, Any] = {"input_ids": input_ids}
+            if getattr(getattr(model, "config", None), "is_encoder_decoder", False):  # positions of the encoder
+                batch["decoder_input_ids"] = torch.full((1, 1), decoder_start(model), dtype=input_ids.dtype)
+            curves = position_profile(model, batch, precision=precision, policy=policy, transforms=transforms)
         findings, layers, step_summary = _step_findings(model, precision, source, first, again, curves)
     noise = [s for s in gen.stats if s.within_noise and (first is None or s.step <= first.step)]
     if noise:

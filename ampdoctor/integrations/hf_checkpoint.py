@@ -294,10 +294,10 @@ def diagnose_hf(path: str, *, precision: str = "fp16", policy: str = "cuda", tas
     """``ampdoctor diagnose --hf DIR``: load ``path`` offline and diagnose a forward (or a generation)."""
     ckpt = load_for_inference(path, task=task, text=text, input_ids=input_ids, seq_len=seq_len)
     if max_new_tokens is not None:
-        if ckpt.task != "causal-lm":
-            raise CheckpointError(f"--max-new-tokens diagnoses a decoder's generation; {path!r} was loaded as "
-                                  f"--task {ckpt.task}. Pass --task causal-lm for a decoder checkpoint, or drop "
-                                  "--max-new-tokens to diagnose one forward")
+        if ckpt.task not in ("causal-lm", "seq2seq"):
+            raise CheckpointError(f"--max-new-tokens diagnoses a generation; {path!r} was loaded as --task "
+                                  f"{ckpt.task}, which does not generate. Pass --task causal-lm or seq2seq for a "
+                                  "generating checkpoint, or drop --max-new-tokens to diagnose one forward")
         from ampdoctor.diagnose_generate import diagnose_generate
 
         kept = ckpt.keep_fp32.get(precision, ()) if precision in ("fp16", "bf16") else ()

@@ -15,6 +15,7 @@ from ampdoctor.precision._generate import (
     NOISE_REL_ERR,
     DecodeStat,
     Generation,
+    decoder_start,
     generate,
     validate_generation,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "NOISE_REL_ERR",
     "DecodeStat",
     "Generation",
+    "decoder_start",
     "compare_compiled",
     "compare_compiled_generation",
     "compare_outputs",

@@ -131,6 +131,9 @@ class _Side:
         self.cache_kw = next((k for k in ("cache", "past_key_values") if k in params), None)
         self.use_cache_kw = "use_cache" in params
         self.cache: Any = None
+        #: encoder-decoder models: the prompt is the encoder's input, generation runs in the decoder
+        self.seq2seq = bool(getattr(getattr(self.model, "config", None), "is_encoder_decoder", False))
+        self.encoder_ids: torch.Tensor | None = None
         self.amp = contextlib.nullcontext() if reference else _precision_context(precision, self.device, policy)
 
     def gemm(self) -> Any:
@@ -148,6 +151,8 @@ class _Side:
         if self.use_cache_kw:
             kw["use_cache"] = self.cache_kw is not None
         no_autocast = _NoAutocast(self.device.type) if self.reference else contextlib.nullcontext()
+        if self.seq2seq:
+            kw["decoder_input_ids"], ids = ids, self.encoder_ids  # type: ignore[assignment]
         with self.gemm() if gemm else contextlib.nullcontext(), torch.no_grad(), no_autocast, self.amp:
             out = self.model(input_ids=ids, **kw)
         if self.cache_kw is not None:
@@ -216,6 +221,9 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, precision: str, max_n
     tgt = _Side(model, precision, policy, False, transforms)
     device = ref.device
     ids = input_ids.to(device)
+    if ref.seq2seq:  # the decoder starts from its start token; positions count decoder tokens
+        ref.encoder_ids = tgt.encoder_ids = ids
+        ids = torch.full((1, 1), decoder_start(ref.model), dtype=ids.dtype, device=device)
     prompt_len = ids.shape[1]
     rows: list[torch.Tensor] = []
     tokens: list[torch.Tensor] = []
@@ -249,6 +257,16 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, precision: str, max_n
                                 float(d["ref_margin"]), float(d["target_gap"]), float(d["logit_err"]),
                                 float(d["logit_rms"]), bool(d["finite"]), bool(d["cache_finite"])))
     return Generation(stats, prompt_len, cache_name, [int(s.ref_token) for s in stats], traced, cache_records)
+
+
+def decoder_start(model: nn.Module) -> int:
+    """The decoder start token of an encoder-decoder model (its config's, else its pad token, else 0)."""
+    cfg = getattr(model, "config", None)
+    for name in ("decoder_start_token_id", "pad_token_id", "bos_token_id"):
+        v = getattr(cfg, name, None)
+        if isinstance(v, int):
+            return v
+    return 0
 
 
 def _checked(side: _Side, new: torch.Tensor, ids: torch.Tensor, step: int, precision: str) -> torch.Tensor:

@@ -115,3 +115,20 @@ def test_unsupported_architecture_says_what_to_pass(tmp_path: Path, gpt2_dir: Pa
 def test_scenario_only_options_are_refused_without_hf() -> None:
     code, text = _cli("diagnose", "x.py", "--max-new-tokens", "3")
     assert code == 2 and "--hf DIR" in text
+
+
+def test_seq2seq_generation_decodes_with_the_encoder_decoder_cache(tmp_path: Path) -> None:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=2,
+                   decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0)
+    T5ForConditionalGeneration(cfg).save_pretrained(tmp_path)
+    out = tmp_path / "r.json"
+    code, text = _cli("diagnose", "--hf", str(tmp_path), "--seq-len", "6", "--max-new-tokens", "4", "--json",
+                      str(out))
+    assert code == 0, text
+    gen = json.loads(out.read_text())["summary"]["generation"]
+    assert gen["cache"] == "EncoderDecoderCache" and gen["prompt_len"] == 1  # the decoder's start token
+    assert [s["position"] for s in gen["steps"]] == [0, 1, 2, 3]  # decoder positions
+    assert all(s["finite"] and s["logit_rel_err"] < 0.01 for s in gen["steps"])
