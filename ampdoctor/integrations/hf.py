@@ -28,12 +28,23 @@ log = logging.getLogger(__name__)
 
 
 class AmpDoctorCallback(TrainerCallback):
-    """Watch a ``Trainer`` run; ``watch_options`` go to :func:`ampdoctor.watch` (``on_anomaly``, ...)."""
+    """Watch a ``Trainer`` run; ``watch_options`` go to :func:`ampdoctor.watch` (``on_anomaly``, ...).
+
+    The verdict goes where Trainer users look: each ``on_log`` adds ``ampdoctor/*`` values (loss scale, skipped
+    steps, gradient norm, anomaly count) to the entry just written to ``state.log_history``, and the end of training
+    appends one entry with the verdict and the finding codes. ``on_anomaly="raise"`` drops the anomalous update
+    (the weights stay as they were), sets ``control.should_training_stop`` and keeps the error in ``self.error``,
+    so the Trainer ends normally and every hook is removed.
+    """
 
     def __init__(self, **watch_options: Any) -> None:
+        self.stop_on_anomaly = watch_options.get("on_anomaly") == "raise"
+        if self.stop_on_anomaly:
+            watch_options = {**watch_options, "on_anomaly": "skip"}
         self.watch_options = watch_options
         self.watch: Watch | None = None
         self.report: Report | None = None
+        self.error: str | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:
@@ -44,13 +55,44 @@ class AmpDoctorCallback(TrainerCallback):
         scaler = getattr(optimizer, "scaler", None)      # accelerate's AcceleratedOptimizer holds the GradScaler
         self.watch = watch(model, optimizer, scaler, **self.watch_options)
         self.watch.__enter__()
+        if getattr(args, "fp16", False) and next((p.device.type for p in model.parameters()), "cpu") == "cpu" \
+                and scaler is None:
+            log.warning("ampdoctor: fp16=True but the model trains on CPU without a GradScaler: the Trainer runs "
+                        "this in fp32 (or bf16 autocast), not fp16; the watch reports what really runs")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.watch is not None:
-            self.watch.step()       # no loss here; notices a GradScaler-skipped step without waiting for the forward
+        w = self.watch
+        if w is None:
+            return
+        w.step()            # no loss here; notices a GradScaler-skipped step without waiting for the forward
+        if self.stop_on_anomaly:
+            anomalies = w.report().summary.get("anomalies", [])
+            if anomalies:
+                first = anomalies[0]
+                self.error = f"ampdoctor: {first['kind']} at step {first['step']}: {first['message']}"
+                log.error("%s; stopping training (on_anomaly='raise')", self.error)
+                control.should_training_stop = True
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        w = self.watch
+        if w is None or not state.log_history:
+            return
+        s = w.report().summary
+        entry = state.log_history[-1]
+        for key, value in (("loss_scale", (s.get("loss_scales") or [None])[-1]),
+                           ("grad_norm", (s.get("grad_norms") or [None])[-1]),
+                           ("skipped_steps", s.get("skipped_steps")),
+                           ("anomalies", sum((s.get("anomaly_counts") or {}).values()))):
+            if value is not None:
+                entry[f"ampdoctor/{key}"] = value
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.close()
+        report = self.close()
+        if report is not None:
+            state.log_history.append({
+                "ampdoctor/verdict": "ok" if report.ok else "error",
+                "ampdoctor/findings": [f"{f.severity}:{f.code}@{f.module or '<root>'}" for f in report.findings],
+                "step": state.global_step})
 
     def close(self) -> Report | None:
         """Detach the watch (if attached), keep and log its report."""
@@ -63,6 +105,12 @@ class AmpDoctorCallback(TrainerCallback):
             self.report = w.report()
             _log_report(self.report)
         return self.report
+
+    def __del__(self) -> None:       # a Trainer that raised never calls on_train_end: never leave hooks behind
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _log_report(report: Report) -> None:

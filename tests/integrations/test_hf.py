@@ -86,3 +86,23 @@ def test_trainer_reproducer_replays_from_the_recorded_config_without_code(tmp_pa
 
     first = json.loads((tmp_path / "r.json").read_text())["findings"][0]
     assert (first["module"], first["op"]) == (root.module, root.op)
+
+
+def test_findings_reach_log_history_and_raise_stops_the_trainer(tmp_path) -> None:
+    model = tiny_bert(plant_unused=False)
+    with torch.no_grad():
+        model.bert.encoder.layer[0].intermediate.dense.weight.fill_(1e38)
+    cb = AmpDoctorCallback(on_anomaly="raise", locate=False)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=3, report_to=[], use_cpu=True,
+                                          per_device_train_batch_size=4, save_strategy="no", logging_steps=1,
+                                          disable_tqdm=True, seed=0, data_seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Pairs(), callbacks=[cb])
+    trainer.train()
+    hist = trainer.state.log_history
+    assert trainer.state.global_step == 1                       # stopped after the first (dropped) update
+    assert cb.error is not None and "nonfinite" in cb.error
+    assert any(e.get("ampdoctor/anomalies", 0) >= 1 for e in hist)
+    assert hist[-1]["ampdoctor/verdict"] == "error" and hist[-1]["ampdoctor/findings"]
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())   # the NaN never landed
+    assert not any(m._forward_pre_hooks for m in model.modules())
