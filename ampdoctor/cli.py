@@ -13,23 +13,41 @@ except ImportError as e:  # pragma: no cover - the CLI extra is missing
     raise ImportError("the ampdoctor command line needs click and rich: pip install 'ampdoctor[cli]'") from e
 
 import ampdoctor
+from ampdoctor._cli_checks import did_you_mean, fail, need, output_path, scenario_path, user_code
 from ampdoctor.errors import AmpDoctorError
+from ampdoctor.precision import MAX_STEPS
 
 PRECISION_CHOICES = ["fp16", "bf16", "fp16-amp", "bf16-amp", "fp8", "fp8-e4m3", "fp8-e5m2", "as-given"]
 
 
-def _console() -> Any:
+def _console(stderr: bool = False) -> Any:
     from rich.console import Console
 
-    return Console(no_color=bool(os.environ.get("NO_COLOR")) or None, highlight=False)
+    return Console(no_color=bool(os.environ.get("NO_COLOR")) or None, highlight=False, stderr=stderr)
+
+
+def _print(console: Any, text: str) -> None:
+    """Print text that holds user-controlled names literally (never parsed as rich markup)."""
+    console.print(text, markup=False, highlight=False, emoji=False)
+
+
+def _outputs(json_out: str | None = None, html_out: str | None = None) -> None:
+    """Check the report destinations and the extras they need before anything runs."""
+    output_path(json_out, "--json", dash=True)
+    output_path(html_out, "--html")
+    if html_out:
+        need("--html")
 
 
 def _emit(report: ampdoctor.Report, json_out: str | None, html_out: str | None, quiet: bool = False) -> None:
-    from ampdoctor.report import render_terminal, write_json
+    """Terminal report (on stderr when ``--json -`` takes stdout), JSON and HTML."""
+    from ampdoctor.report import render_json, render_terminal, write_json
 
     if not quiet:
-        render_terminal(report, console=_console())
-    if json_out:
+        render_terminal(report, console=_console(stderr=json_out == "-"))
+    if json_out == "-":
+        click.echo(render_json(report), nl=False)
+    elif json_out:
         write_json(report, json_out)
     if html_out:
         from ampdoctor.report import write_html
@@ -72,9 +90,9 @@ class _phase_progress:
         self.bar.__exit__(None, None, None)
 
 
-def _fail(msg: str) -> None:
-    click.echo(f"ampdoctor: error: {msg}", err=True)
-    sys.exit(2)
+_fail = fail
+JSON_HELP = "write the JSON report to this file ('-': stdout, the terminal report then goes to stderr)"
+HTML_HELP = "write the offline HTML report to this file (needs the html extra: jinja2, plotly)"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -82,6 +100,7 @@ def _fail(msg: str) -> None:
 @click.option("-v", "--verbose", is_flag=True, help="log progress to stderr")
 def main(verbose: bool) -> None:
     """Find, explain and fix why mixed-precision PyTorch runs produce inf/NaN or lose accuracy."""
+    need("the terminal report")
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
 
 
@@ -90,11 +109,12 @@ def main(verbose: bool) -> None:
 @click.option("--precision", type=click.Choice(PRECISION_CHOICES), default=None,
               help="target precision (default: the scenario's own, fp16 with --hf; 'as-given' runs the step as "
                    "written)")
-@click.option("--steps", type=click.IntRange(min=1), default=None, help="number of steps (default: the scenario's)")
-@click.option("--policy", type=click.Choice(["cuda", "native"]), default="cuda",
+@click.option("--steps", type=click.IntRange(min=1, max=MAX_STEPS), default=None,
+              help=f"number of steps, at most {MAX_STEPS} (default: the scenario's)")
+@click.option("--policy", type=click.Choice(["cuda", "native"]), default="cuda", show_default=True,
               help="autocast op policy for *-amp: CUDA's (emulated off-GPU) or the device's own")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="write the JSON report")
-@click.option("--html", "html_out", type=click.Path(dir_okay=False), default=None, help="write the HTML report")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True), default=None, help=JSON_HELP)
+@click.option("--html", "html_out", type=click.Path(dir_okay=False), default=None, help=HTML_HELP)
 @click.option("--hf", type=click.Path(file_okay=False), default=None,
               help="diagnose inference of a local Hugging Face model directory instead of a scenario FILE")
 @click.option("--text", default=None, help="with --hf: the prompt, tokenized with the checkpoint's tokenizer")
@@ -112,7 +132,9 @@ def main(verbose: bool) -> None:
 def diagnose(file: str | None, precision: str | None, steps: int | None, policy: str, json_out: str | None,
              html_out: str | None, hf: str | None, text: str | None, input_ids: str | None, task: str,
              max_new_tokens: int | None, seq_len: int | None, compiled: bool) -> None:
-    """Diagnose the scenario FILE (a .py file defining make()), or a checkpoint's inference with --hf DIR."""
+    """Diagnose the scenario FILE (a .py file defining make(), or a built-in scenario name), or a checkpoint's
+    inference with --hf DIR."""
+    _outputs(json_out, html_out)
     if hf is not None or file is None:
         if (file is None) == (hf is None):
             _fail("give either a scenario FILE or --hf DIR (a Hugging Face model directory)")
@@ -125,16 +147,14 @@ def diagnose(file: str | None, precision: str | None, steps: int | None, policy:
                             ("--seq-len", seq_len)) if v is not None] + (["--compiled"] if compiled else [])
     if given or task != "auto":
         _fail(f"{', '.join(given) or '--task'} need(s) --hf DIR; a scenario FILE defines its own batch in make()")
+    file = scenario_path(file)
     overrides: dict[str, Any] = {"policy": policy}
     if precision is not None:
         overrides["precision"] = None if precision == "as-given" else precision
     if steps is not None:
         overrides["steps"] = steps
-    try:
-        with _phase_progress() as progress:
-            report = ampdoctor.diagnose_file(file, progress=progress, **overrides)
-    except AmpDoctorError as e:
-        _fail(str(e))
+    with user_code(), _phase_progress() as progress:
+        report = ampdoctor.diagnose_file(file, progress=progress, **overrides)
     _emit(report, json_out, html_out)
     sys.exit(0 if report.ok else 1)
 
@@ -146,11 +166,8 @@ def _diagnose_hf(path: str, precision: str, policy: str, json_out: str | None, h
     if precision == "as-given":
         _fail("--precision as-given has no meaning with --hf (the checkpoint is loaded in float32); pass fp16, "
               "bf16, fp16-amp, bf16-amp or an fp8 format")
-    try:
-        with _phase_progress() as progress:
-            report = diagnose_hf(path, precision=precision, policy=policy, progress=progress, **kw)
-    except AmpDoctorError as e:
-        _fail(str(e))
+    with user_code("the checkpoint"), _phase_progress() as progress:
+        report = diagnose_hf(path, precision=precision, policy=policy, progress=progress, **kw)
     _emit(report, json_out, html_out)
     sys.exit(0 if report.ok else 1)
 
@@ -183,7 +200,7 @@ def demo(json_dir: str | None, steps: int) -> None:
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--apply", "which", default="best", show_default=True,
               help="the fix to apply: 'best' (the first verified one) or a fix id (keep_fp32, switch_precision, ...)")
-@click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
+@click.option("--steps", type=click.IntRange(min=1, max=MAX_STEPS), default=20, show_default=True,
               help="training steps of each verification run")
 @click.option("--save", "save_path", type=click.Path(dir_okay=False), default=None,
               help="write the fix to this path: the fixed model's state_dict when the fix changed weights, "
@@ -191,10 +208,10 @@ def demo(json_dir: str | None, steps: int) -> None:
 @click.option("--fp32-policy", "fp32_policy", is_flag=True, default=False,
               help="search the smallest set of implicated modules to keep in float32 so the run verifies, and "
                    "print it as a _keep_in_fp32_modules list and an autocast-disable snippet")
-@click.option("--policy", type=click.Choice(["cuda", "native"]), default="cuda",
+@click.option("--policy", type=click.Choice(["cuda", "native"]), default="cuda", show_default=True,
               help="autocast op policy for *-amp: CUDA's (emulated off-GPU) or the device's own")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
-              help="write the report with every verified fix as JSON")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+              help="write the report with every verified fix as JSON ('-': stdout)")
 def fix_cmd(file: str, which: str, steps: int, save_path: str | None, fp32_policy: bool, policy: str,
             json_out: str | None) -> None:
     """Diagnose FILE, verify the proposed fixes against fp32 and apply one (exit 0: a verified fix was applied)."""
@@ -202,36 +219,31 @@ def fix_cmd(file: str, which: str, steps: int, save_path: str | None, fp32_polic
 
     from ampdoctor.fixes import FIXES, diagnose_and_fix
     from ampdoctor.fixes import fix as apply_fix
-    from ampdoctor.precision import load_scenario_module
+    from ampdoctor.precision import load_scenario_module, saved_rng
 
     if fp32_policy:
-        _fp32_policy(file, steps, policy)
+        _fp32_policy(scenario_path(file), steps, policy)
     if which != "best" and which not in FIXES:
-        _fail(f"invalid --apply {which!r}: expected 'best' or one of {', '.join(sorted(FIXES))}")
-    try:
+        _fail(f"invalid --apply {which!r}{did_you_mean(which, FIXES)}: expected 'best' or one of "
+              f"{', '.join(sorted(FIXES))}")
+    _outputs(json_out)
+    output_path(save_path, "--save")
+    file = scenario_path(file)
+    with user_code():
         report = diagnose_and_fix(file, steps=steps, policy=policy, until_verified=which == "best")
-    except AmpDoctorError as e:
-        _fail(str(e))
-    console = _console()
+    console = _console(stderr=json_out == "-")
     console.print(_fix_table(report, steps))
     if json_out:
-        from ampdoctor.report import write_json
-
-        write_json(report, json_out)
+        _emit(report, json_out, None, quiet=True)
     try:
-        if os.path.isfile(file):
-            module = load_scenario_module(file)
-        else:  # a built-in scenario name (diagnose_and_fix accepted it)
-            from ampdoctor.scenarios import load_scenario
-
-            module = load_scenario(file)
-        model = module.make()["model"]  # a fresh model: make() builds new objects
+        with user_code(), saved_rng():
+            model = load_scenario_module(file).make()["model"]  # a fresh model: make() builds new objects
         result = apply_fix(model, report, which=which)
     except (AmpDoctorError, ValueError) as e:
-        console.print(f"no fix applied: {e}")
+        _print(console, f"no fix applied: {e}")
         sys.exit(1)
     for line in result.applied:
-        console.print(f"applied: {line}")
+        _print(console, f"applied: {line}")
     if result.snippet:
         console.print("the fix as code (paste into your model or training script):")
         console.print(Syntax(result.snippet, "python"))
@@ -240,7 +252,7 @@ def fix_cmd(file: str, which: str, steps: int, save_path: str | None, fp32_polic
             console.print("change in your training loop:")
             console.print(Syntax(change, "python"))
     if save_path:
-        console.print(_save_fix(model, result, save_path))
+        _print(console, _save_fix(model, result, save_path))
     sys.exit(0 if result.proposal.verified else 1)
 
 
@@ -273,23 +285,25 @@ def _fp32_policy(file: str, steps: int, policy: str) -> None:
 
     from ampdoctor.fixes import minimal_fp32_policy
 
-    try:
-        result = minimal_fp32_policy(file, steps=steps, policy=policy)
-    except (AmpDoctorError, ValueError) as e:
-        _fail(str(e))
+    with user_code():
+        try:
+            result = minimal_fp32_policy(file, steps=steps, policy=policy)
+        except ValueError as e:
+            _fail(str(e))
     console = _console()
     cost = "unknown" if result.fp32_flop_fraction is None else f"{result.fp32_flop_fraction:.1%}"
     verdict = "verifies" if result.verified else "does NOT verify (even the whole implicated set)"
-    console.print(f"minimal keep-in-fp32 set ({len(result.tried)} sets tried): {', '.join(result.modules)}; "
-                  f"{verdict}; cost: {cost} of the step's FLOPs move to float32")
+    _print(console, f"minimal keep-in-fp32 set ({len(result.tried)} sets tried): {_names(list(result.modules))}; "
+                    f"{verdict}; cost: {cost} of the step's FLOPs move to float32")
     if not result.verified:
-        console.print(f"why: {result.verification.get('reason', '')}")
+        _print(console, f"why: {result.verification.get('reason', '')}")
     console.print(Syntax(result.snippet(), "python"))
     sys.exit(0 if result.verified else 1)
 
 
 def _fix_table(report: Any, steps: int) -> Any:
     from rich.table import Table
+    from rich.text import Text
 
     from ampdoctor.fixes import before_after_table
 
@@ -299,10 +313,10 @@ def _fix_table(report: Any, steps: int) -> Any:
         table.add_column(col, overflow="fold")
     rows = before_after_table(report)
     for r in rows:
-        table.add_row(r["fix"], "[green]yes[/green]" if r["verified"] else "[red]no[/red]", str(r["loss_fp32"]),
-                      str(r["loss_broken"]), str(r["loss_fixed"]), str(r["max_rel_err_first_step"]),
-                      str(r["max_rel_err_curve"]), str(r["tolerance"]),
-                      f"{r['steps_finite_broken']} -> {r['steps_finite']}")
+        verified = Text("yes", style="green") if r["verified"] else Text("no", style="red")
+        table.add_row(Text(str(r["fix"])), verified, *(Text(str(r[k])) for k in (
+            "loss_fp32", "loss_broken", "loss_fixed", "max_rel_err_first_step", "max_rel_err_curve", "tolerance")),
+            Text(f"{r['steps_finite_broken']} -> {r['steps_finite']}"))
     return table
 
 
@@ -318,22 +332,23 @@ def explain(code: str | None) -> None:
     if code is None:
         console.print(Markdown(codes_markdown()))
         return
-    info = CODE_INFO.get(code)
+    info = CODE_INFO.get(code) or CODE_INFO.get(code.lower().replace("_", "-"))
     if info is None:
-        _fail(f"unknown code {code!r}; expected one of {', '.join(ampdoctor.CODES)}")
-        return
+        _fail(f"unknown code {code!r}{did_you_mean(code, ampdoctor.CODES)}; expected one of "
+              f"{', '.join(ampdoctor.CODES)}")
     console.print(Markdown(f"# `{info.code}` ({info.severity}, precedence {info.precedence})\n\n"
                            f"**{info.summary}**\n\n{info.doc}"))
 
 
 @main.command()
 @click.argument("file", type=click.Path(dir_okay=False))
-@click.option("--html", "html_out", type=click.Path(dir_okay=False), default=None, help="write the HTML report")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="write the JSON report")
+@click.option("--html", "html_out", type=click.Path(dir_okay=False), default=None, help=HTML_HELP)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True), default=None, help=JSON_HELP)
 def report(file: str, html_out: str | None, json_out: str | None) -> None:
     """Render a saved JSON report FILE (terminal, and --html / --json)."""
     from ampdoctor.report import load_report
 
+    _outputs(json_out, html_out)
     try:
         rep = load_report(file)
     except (AmpDoctorError, ValueError, OSError) as e:
@@ -344,10 +359,10 @@ def report(file: str, html_out: str | None, json_out: str | None) -> None:
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--on-anomaly", type=click.Choice(["warn", "raise", "skip", "replay"]), default="warn",
-              help="what the watch does when a step goes wrong")
+              show_default=True, help="what the watch does when a step goes wrong")
 @click.option("--reproducer-dir", type=click.Path(file_okay=False), default=None,
               help="write a reproducer of the anomalous step here (ampdoctor replay reads it)")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="write the JSON report")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True), default=None, help=JSON_HELP)
 @click.argument("argv", nargs=-1, type=click.UNPROCESSED, required=True)
 def run(on_anomaly: str, reproducer_dir: str | None, json_out: str | None, argv: tuple[str, ...]) -> None:
     """Run a training script unchanged with a watch on every optimizer it creates:
@@ -357,10 +372,12 @@ def run(on_anomaly: str, reproducer_dir: str | None, json_out: str | None, argv:
     script cannot be started."""
     from ampdoctor.integrations.run import run_script
 
-    try:
-        report = run_script(list(argv), on_anomaly=on_anomaly, reproducer_dir=reproducer_dir)
-    except (AmpDoctorError, ValueError) as e:
-        _fail(str(e))
+    _outputs(json_out)
+    with user_code("the script"):
+        try:
+            report = run_script(list(argv), on_anomaly=on_anomaly, reproducer_dir=reproducer_dir)
+        except ValueError as e:  # the script cannot be started (missing file or module)
+            _fail(str(e))
     _emit(report, json_out, None)
     ended = report.summary.get("script", {})
     status = ended.get("status")
@@ -405,24 +422,23 @@ def _factory(spec: str) -> Any:
               help="build the model's architecture with this callable (weights come from FILE)")
 @click.option("--trust-source", is_flag=True, default=False,
               help="import the scenario/script file named in FILE (runs its code; only for files you trust)")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="write the JSON report")
-@click.option("--html", "html_out", type=click.Path(dir_okay=False), default=None, help="write the HTML report")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True), default=None, help=JSON_HELP)
+@click.option("--html", "html_out", type=click.Path(dir_okay=False), default=None, help=HTML_HELP)
 def replay(file: str, factory: str | None, trust_source: bool, json_out: str | None, html_out: str | None) -> None:
     """Replay a watch reproducer FILE under the full trace. The model is rebuilt from the recorded Hugging Face
     config, from --factory, or (with --trust-source only) from the scenario file it names."""
     from ampdoctor.watch import replay as replay_fn
 
+    _outputs(json_out, html_out)
     model_factory = _factory(factory) if factory is not None else None
-    try:
+    with user_code("the replay"):
         report = replay_fn(file, model_factory=model_factory, trust_source=trust_source)
-    except AmpDoctorError as e:
-        _fail(str(e))
     _emit(report, json_out, html_out)
     sys.exit(0 if report.ok else 1)
 
 
 def _spec_for(file: str | None, hf: str | None) -> Any:
-    from ampdoctor.precision import load_scenario_module, make_spec, spec_from_module
+    from ampdoctor.precision import load_scenario_module, make_spec, saved_rng, spec_from_module
 
     if (file is None) == (hf is None):
         _fail("give either a scenario FILE or --hf DIR (a Hugging Face model directory)")
@@ -431,83 +447,113 @@ def _spec_for(file: str | None, hf: str | None) -> Any:
 
         made = load_checkpoint(hf)
         return make_spec(made["model"], made["batch"], loss_fn=made["loss_fn"], source=hf)
-    return spec_from_module(load_scenario_module(str(file)), source=str(file))
+    path = scenario_path(str(file))
+    with saved_rng():
+        return spec_from_module(load_scenario_module(path), source=path)
 
 
-def _headroom_table(h: Any, fmt: str) -> Any:
+def _headroom_table(h: Any, fmt: str, autocast: str | None = None) -> Any:
     from rich.table import Table
+    from rich.text import Text
 
     from ampdoctor.report._format import fmt_num
 
-    table = Table(title=f"headroom in {fmt} (fp32 run; margin = log2(format max / |max|), flush = share of nonzero "
-                        "values that round to 0)", title_justify="left")
+    judged = f"ops autocast runs in {fmt} under the {autocast} policy" if autocast else "every op"
+    table = Table(title=f"headroom in {fmt} (fp32 run, {judged}; margin = log2(format max / |max|), flush = share of "
+                        "nonzero values that round to 0)", title_justify="left")
     for col in ("module", "phase", "op", "|max|", "min nonzero", "margin bits", "flush"):
         table.add_column(col, overflow="fold")
-    rows = sorted(h.rows, key=lambda r: (r.margin_bits[fmt], -r.flush_fraction[fmt]))[:15]
+    rows = sorted(h.rows, key=lambda r: (r.margin(fmt, autocast), -r.flush_fraction[fmt]))[:15]
     for r in rows:
-        m = r.margin_bits[fmt]
+        m = r.margin(fmt, autocast)
         style = "red" if m < 0 else ("yellow" if m < 2 or r.flush_fraction[fmt] > 0.5 else "")
-        table.add_row(r.module or "<root>", r.phase, r.op.replace("aten.", ""), fmt_num(r.absmax),
-                      fmt_num(r.min_nonzero), f"{m:+.1f}", f"{r.flush_fraction[fmt]:.0%}", style=style)
+        table.add_row(*(Text(c) for c in (r.module or "<root>", r.phase, r.op.replace("aten.", ""), fmt_num(r.absmax),
+                                          fmt_num(r.min_nonzero), f"{m:+.1f}", f"{r.flush_fraction[fmt]:.0%}")),
+                      style=style)
     return table
+
+
+def _names(modules: list[str]) -> str:
+    return ", ".join(m or "<root>" for m in modules) or "none"
 
 
 @main.command()
 @click.argument("file", type=click.Path(dir_okay=False), required=False)
 @click.option("--hf", type=click.Path(file_okay=False), default=None, help="a Hugging Face model directory instead")
-@click.option("--format", "fmt", type=click.Choice(["fp16", "bf16", "e4m3", "e5m2"]), default="fp16")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="write the rows as JSON")
+@click.option("--format", "fmt", type=click.Choice(["fp16", "bf16", "e4m3", "e5m2"]), default="fp16",
+              show_default=True, help="the number format to judge the range against")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+              help="write the rows as JSON ('-': stdout)")
 def headroom(file: str | None, hf: str | None, fmt: str, json_out: str | None) -> None:
     """Per-module range headroom from one fp32 forward+backward (no low-precision run needed)."""
     import json
 
     from ampdoctor.precision.headroom import headroom_spec
 
-    try:
+    _outputs(json_out)
+    with user_code():
         spec = _spec_for(file, hf)
         with _phase_progress(only_headroom=True) as progress:
             progress("headroom")
             h = headroom_spec(spec)
-    except AmpDoctorError as e:
-        _fail(str(e))
-    console = _console()
+    console = _console(stderr=json_out == "-")
     console.print(_headroom_table(h, fmt))
-    bad = h.predicted_failures(fmt)
-    console.print(f"predicted to overflow in {fmt}: {', '.join(bad) or 'none'}")
-    console.print(f"suggested keep-in-fp32: {', '.join(h.keep_fp32(fmt)) or 'none'}")
-    if json_out:
+    for note in h.notes:
+        _print(console, f"note: {note}")
+    _print(console, f"predicted to overflow in {fmt}: {_names(h.predicted_failures(fmt))}")
+    _print(console, f"suggested keep-in-fp32: {_names(h.keep_fp32(fmt))}")
+    if json_out == "-":
+        click.echo(json.dumps(h.to_dict(), indent=1, default=str))
+    elif json_out:
         with open(json_out, "w") as f:
             json.dump(h.to_dict(), f, indent=1, default=str)
+
+
+#: precision -> (headroom format, whether it autocasts); fp8 and as-given runs are judged by their run only
+CHECK_FORMATS = {"fp16": ("fp16", False), "bf16": ("bf16", False), "fp16-amp": ("fp16", True),
+                 "bf16-amp": ("bf16", True)}
 
 
 @main.command()
 @click.argument("file", type=click.Path(dir_okay=False), required=False)
 @click.option("--hf", type=click.Path(file_okay=False), default=None, help="a Hugging Face model directory instead")
-@click.option("--precision", type=click.Choice(["fp16", "bf16", "fp16-amp", "bf16-amp"]), default="fp16")
-def check(file: str | None, hf: str | None, precision: str) -> None:
-    """CI gate: exit 1 when the model is predicted unsafe in PRECISION or its run there fails, else 0."""
+@click.option("--precision", type=click.Choice(PRECISION_CHOICES), default=None,
+              help="the precision to gate (default: the scenario's own; 'as-given' runs the step as written)")
+@click.option("--policy", type=click.Choice(["cuda", "native"]), default="cuda", show_default=True,
+              help="autocast op policy for *-amp: CUDA's (emulated off-GPU) or the device's own")
+def check(file: str | None, hf: str | None, precision: str | None, policy: str) -> None:
+    """CI gate: exit 1 when the model is predicted unsafe in PRECISION or its run there fails, 2 when the
+    scenario cannot be run (raises, exits, gives no result), else 0."""
     from dataclasses import replace
 
     from ampdoctor.diagnose import diagnose_spec
     from ampdoctor.precision.headroom import headroom_spec
 
-    fmt = "bf16" if precision.startswith("bf16") else "fp16"
-    try:
+    with user_code():
         spec = _spec_for(file, hf)
-        with _phase_progress(headroom=True) as progress:
-            progress("headroom")
-            h = headroom_spec(spec)
-            report = diagnose_spec(replace(spec, precision=precision), progress=progress)
-    except AmpDoctorError as e:
-        _fail(str(e))
-    bad = h.predicted_failures(fmt)
+        if precision is not None:
+            spec = replace(spec, precision=None if precision == "as-given" else precision)
+        fmt, amp = CHECK_FORMATS.get(spec.precision or "", (None, False))
+        with _phase_progress(headroom=fmt is not None) as progress:
+            h = None
+            if fmt is not None:
+                progress("headroom")
+                h = headroom_spec(spec)
+            report = diagnose_spec(spec, policy=policy, progress=progress)
+    name = spec.precision or "as-given"
+    autocast = (("cuda" if policy == "cuda" else "cpu") if amp else None)
+    bad = h.predicted_failures(fmt, autocast=autocast) if h is not None and fmt is not None else []
     console = _console()
+    if h is None:
+        _print(console, f"note: no range prediction for {name} (only fp16/bf16 and their autocasts); judging the run")
     if bad or not report.ok:
         root = report.findings[0] if report.findings else None
         run_txt = f"{root.code} at {root.module or '<root>'}" if root is not None else "ok"
-        console.print(f"UNSAFE in {precision}: predicted overflow in {', '.join(bad) or 'none'}; run: {run_txt}")
+        pred = f"predicted overflow in {_names(bad)}; " if h is not None else ""
+        _print(console, f"UNSAFE in {name}: {pred}run: {run_txt}")
         sys.exit(1)
-    console.print(f"SAFE in {precision}: every module keeps range headroom and the {precision} run is ok")
+    _print(console, f"SAFE in {name}: " + ("every module keeps range headroom and " if h is not None else "")
+           + f"the {name} run is ok")
 
 
 if __name__ == "__main__":  # pragma: no cover

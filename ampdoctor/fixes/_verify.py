@@ -32,7 +32,7 @@ from ampdoctor.fixes._tolerance import (
     output_err,
     rel_err,
 )
-from ampdoctor.precision import ScenarioError, StepSpec, load_scenario_module, spec_from_module
+from ampdoctor.precision import MAX_STEPS, ScenarioError, StepSpec, load_scenario_module, saved_rng, spec_from_module
 
 log = logging.getLogger(__name__)
 
@@ -102,15 +102,22 @@ class Verification:
 # a verification session: the broken diagnosis and the baseline curves, shared by every fix of one step
 
 
+def check_args(steps: Any, policy: Any) -> None:
+    """Validate ``steps`` and ``policy`` of a verification (before any scenario is loaded or run)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    if steps > MAX_STEPS:
+        raise ValueError(f"steps must be at most {MAX_STEPS}, got {steps}: verify a fix over a few dozen steps")
+    if policy not in ("cuda", "native"):
+        raise ValueError(f"invalid policy {policy!r}, expected 'cuda' or 'native'")
+
+
 class Session:
     """The original step's diagnosis and its fp32/target curves, computed once and shared by several fixes."""
 
     def __init__(self, spec: StepSpec, *, steps: int = DEFAULT_STEPS, policy: str = "cuda",
                  report: Report | None = None) -> None:
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps must be a positive int, got {steps!r}")
-        if policy not in ("cuda", "native"):
-            raise ValueError(f"invalid policy {policy!r}, expected 'cuda' or 'native'")
+        check_args(steps, policy)
         self.spec, self.steps, self.policy = spec, steps, policy
         self._report = report
         self._reference: Curve | None = None
@@ -348,16 +355,18 @@ def resolve_spec(scenario: Any) -> StepSpec:
         return scenario
     if isinstance(scenario, (str, os.PathLike)):
         path = os.fspath(scenario)
-        if os.path.isfile(path):
-            return spec_from_module(load_scenario_module(path), source=path)
-        from ampdoctor.scenarios import BUILTIN, load_scenario
+        with saved_rng():  # importing the file and make() draw random numbers: not from the caller's stream
+            if os.path.isfile(path):
+                return spec_from_module(load_scenario_module(path), source=path)
+            from ampdoctor.scenarios import BUILTIN, load_scenario
 
-        if path in BUILTIN:
-            mod = load_scenario(path)
-            return spec_from_module(mod, source=getattr(mod, "__file__", path) or path)
+            if path in BUILTIN:
+                mod = load_scenario(path)
+                return spec_from_module(mod, source=getattr(mod, "__file__", path) or path)
         raise ScenarioError(f"scenario {path!r} is neither a file nor a built-in scenario ({', '.join(BUILTIN)})")
     if callable(getattr(scenario, "make", None)):
-        return spec_from_module(scenario, source=getattr(scenario, "__file__", "") or "")
+        with saved_rng():
+            return spec_from_module(scenario, source=getattr(scenario, "__file__", "") or "")
     raise TypeError(f"scenario must be a StepSpec, a scenario file path, a built-in scenario name or a module with "
                     f"make(), got {type(scenario).__name__}")
 
@@ -422,6 +431,7 @@ def verify(proposal: FixProposal | str, scenario: Any, *, steps: int = DEFAULT_S
     were. Cost: two diagnoses (original, fixed) and four or five untraced ``steps``-step runs (fp32, rounded-start
     fp32, original target, fixed target); one host sync per step and run.
     """
+    check_args(steps, policy)
     spec = resolve_spec(scenario)
     session = Session(spec, steps=steps, policy=policy, report=report)
     finding: Finding | None = None
@@ -456,6 +466,7 @@ def diagnose_and_fix(spec: Any, *, steps: int = DEFAULT_STEPS, policy: str = "cu
     """
     if not isinstance(until_verified, bool):
         raise TypeError(f"until_verified must be a bool, got {type(until_verified).__name__}")
+    check_args(steps, policy)
     spec = resolve_spec(spec)
     session = Session(spec, steps=steps, policy=policy)
     report = session.report

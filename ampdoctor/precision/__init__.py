@@ -23,9 +23,11 @@ from ampdoctor.precision._keep_fp32 import keep_fp32_transform
 from ampdoctor.precision._positions import first_position, headroom_curve, position_profile
 from ampdoctor.precision._runner import ParamState, RunResult, run
 from ampdoctor.precision._spec import (
+    MAX_STEPS,
     PRECISIONS,
     ScenarioError,
     StepSpec,
+    check_steps,
     load_scenario_module,
     make_spec,
     spec_from_module,
@@ -75,6 +77,7 @@ __all__ = [
     "headroom",
     "policy_for",
     "policy_table_markdown",
+    "MAX_STEPS",
     "PRECISIONS",
     "GradSnapshot",
     "Observer",
@@ -91,6 +94,7 @@ __all__ = [
     "call_model",
     "default_loss",
     "load_scenario_module",
+    "check_steps",
     "make_spec",
     "run",
     "saved_rng",

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.precision._spec import ScenarioError, StepSpec
+from ampdoctor.precision._input_errors import input_error
+from ampdoctor.precision._spec import StepSpec
 from ampdoctor.precision._step import (
     LOW_DTYPES,
     Observer,
@@ -164,9 +165,7 @@ class _TraceObserver(Observer):
     def failed(self, loop: StepLoop, step: int, exc: BaseException) -> None:
         first_forward = step == 0 and not any(r.phase != "forward" for r in self.tr.mode.records)
         if loop.prep.reference and first_forward:
-            raise ScenarioError(
-                f"the model cannot run this batch even in float32: {type(exc).__name__}: {exc}. Check the "
-                "batch's keys, shapes and dtypes against the model's forward") from exc
+            raise input_error(exc, loop.stage, loop.output_type) from exc
 
     def finish(self, loop: StepLoop) -> None:
         """Read everything back at once (trace statistics, coverage zero-fractions, lost updates) and drop the

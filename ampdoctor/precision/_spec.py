@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ast
+import collections.abc
 import importlib.util
 import inspect
 import os
 import sys
+import types
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +21,10 @@ from ampdoctor.precision._distributed import copy_limitation
 
 #: Precisions a step can run in. ``None`` runs the step as given (it may cast or autocast itself).
 PRECISIONS: tuple[str | None, ...] = (None, "fp16", "bf16", "fp16-amp", "bf16-amp", "fp8", "fp8-e4m3", "fp8-e5m2")
+#: Upper bound on ``steps``: every step's op records stay in memory until the analysis (memory grows linearly with
+#: steps), so a diagnosis of more steps would exhaust memory instead of finishing. Failures that need more steps
+#: to appear are the watch's job (``ampdoctor.watch``), which keeps a bounded window.
+MAX_STEPS = 1000
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,62 @@ def _check_batch_binds(model: nn.Module, batch: Any) -> None:
         ) from None
 
 
+def check_steps(steps: Any) -> int:
+    """``steps`` as a validated int in ``1..MAX_STEPS``; raises :class:`ScenarioError` saying what to pass."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ScenarioError(f"steps must be a positive int, got {steps!r}")
+    if steps > MAX_STEPS:
+        raise ScenarioError(
+            f"steps must be at most {MAX_STEPS}, got {steps}: a diagnosis keeps every step's trace in memory. "
+            "Diagnose the few steps around the failure (save the model and batch just before it), or watch the "
+            "whole run with ampdoctor.watch(...)")
+    return steps
+
+
+def _quantized(model: nn.Module) -> bool:
+    """The model holds quantized weights (``torch.ao.quantization``): packed or quantized tensors in its state."""
+    try:
+        state = model.state_dict()
+    except Exception:  # noqa: BLE001 - a state_dict hook failing is not this check's business
+        return False
+    stack: list[Any] = list(state.values())
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor) and v.is_quantized:
+            return True
+        if isinstance(v, (tuple, list)):
+            stack.extend(v)
+        elif isinstance(v, torch.ScriptObject):
+            return True  # packed quantized parameters (LinearPackedParams and the like)
+    return False
+
+
+def _check_batch_values(batch: Any) -> None:
+    """Reject batches that cannot be run several times on copies: generators/iterators, and no data at all."""
+    stack: list[tuple[Any, int]] = [(batch, 0)]
+    tensors: list[torch.Tensor] = []
+    while stack:
+        obj, depth = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj)
+        elif isinstance(obj, (types.GeneratorType, collections.abc.Iterator)) or (
+                depth == 0 and type(obj).__name__ == "DataLoader"):
+            raise ScenarioError(
+                f"the batch holds a {type(obj).__name__} ({'the batch itself' if depth == 0 else 'inside it'}); "
+                "ampdoctor runs the step several times on copies, so pass materialised inputs, e.g. "
+                "batch = next(iter(loader)) or list(generator)")
+        elif depth < 6 and isinstance(obj, (tuple, list)):
+            stack.extend((o, depth + 1) for o in obj)
+        elif depth < 6 and isinstance(obj, dict):
+            stack.extend((o, depth + 1) for o in obj.values())
+    for t in tensors:
+        if t.is_meta:
+            raise ScenarioError("the batch holds meta tensors (no data); pass real tensors")
+    if tensors and all(t.numel() == 0 for t in tensors):
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors[:3])
+        raise ScenarioError(f"the batch is empty (its tensors have no elements: {shapes}); pass at least one sample")
+
+
 def make_spec(
     model: Any,
     batch: Any = None,
@@ -101,10 +164,10 @@ def make_spec(
             "model has parameters or buffers on the meta device (no data to run); materialise the weights first, "
             "e.g. model.to_empty(device='cpu') then load_state_dict(...), or build it outside `init_empty_weights()`"
         )
-    if params and not any(p.is_floating_point() for p in params):
+    if (params and not any(p.is_floating_point() for p in params)) or _quantized(model):
         raise ScenarioError(
             "model has no floating-point parameters or buffers (int-only or quantized); mixed-precision diagnosis "
-            "needs a floating-point model"
+            "needs a floating-point model (diagnose the float model before quantization)"
         )
     if loss_fn is not None and not callable(loss_fn):
         raise ScenarioError(f"loss_fn must be callable as loss_fn(output, batch) -> scalar Tensor, got {loss_fn!r}")
@@ -120,30 +183,73 @@ def make_spec(
                 f"the optimizer holds {len(foreign)} tensor(s) that are not parameters of this model; build the "
                 "optimizer from model.parameters() of the model you pass"
             )
+        if train_step is None and not any(p.requires_grad for g in optimizer.param_groups for p in g["params"]):
+            raise ScenarioError(
+                "an optimizer was given but none of its parameters requires grad (model.requires_grad_(False)?), so "
+                "no step would train anything; unfreeze the parameters you train, or pass no optimizer for a "
+                "forward-only diagnosis"
+            )
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise ScenarioError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ScenarioError(f"steps must be a positive int, got {steps!r}")
+    check_steps(steps)
     if isinstance(batch, dict) and not batch:
         raise ScenarioError("the batch is an empty dict; pass the model's inputs (e.g. {'input_ids': ids})")
     if isinstance(batch, (tuple, list)) and not batch:
         raise ScenarioError("the batch is an empty tuple/list; pass the model's positional inputs")
-    for t in _tensors(batch):
-        if t.is_meta:
-            raise ScenarioError("the batch holds meta tensors (no data); pass real tensors")
+    _check_batch_values(batch)
     if train_step is None:
         _check_batch_binds(model, batch)
     return StepSpec(model, batch, precision, loss_fn, optimizer, scaler, train_step, steps, source)
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    from ampdoctor.trace import iter_tensors
+def _defines_make(path: str) -> bool | None:
+    """Whether the file binds ``make`` at module level, read without running it (None: cannot tell)."""
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (SyntaxError, ValueError, OSError):
+        return None  # importing it gives the precise error
+    stack: list[ast.stmt] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == "make":
+            return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name == "*" or (alias.asname or alias.name).split(".")[0] == "make":
+                    return None if alias.name == "*" else True
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(n, ast.Name) and n.id == "make" for t in targets for n in ast.walk(t)):
+                return True
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            for fld in ("body", "orelse", "finalbody", "handlers", "cases"):
+                for child in getattr(node, fld, []) or []:
+                    stack.extend(child.body if isinstance(child, (ast.ExceptHandler, ast.match_case)) else [child])
+    return False
 
-    return list(iter_tensors(obj))
+
+def _no_make(path: str) -> ScenarioError:
+    return ScenarioError(
+        f"scenario {path!r} defines no make(); a scenario file must define make() returning "
+        "{'model': ..., 'batch': ..., ...}. To watch a plain training script instead, run "
+        f"`ampdoctor run -- python {path}`"
+    )
+
+
+def _exit_message(e: SystemExit, where: str) -> ScenarioError:
+    return ScenarioError(
+        f"the scenario called sys.exit({e.code!r}) {where}; guard script code with `if __name__ == '__main__':` so "
+        "that importing the file only defines make()"
+    )
 
 
 def load_scenario_module(path: str) -> Any:
-    """Import a scenario file as a fresh module (not added to ``sys.modules``)."""
+    """Import a scenario file as a fresh module (not added to ``sys.modules``).
+
+    A file that binds no ``make`` at module level is refused before it runs (a plain training script would run
+    its whole loop); ``sys.exit`` while importing is a :class:`ScenarioError`, not an exit.
+    """
     if not isinstance(path, (str, os.PathLike)):
         raise ScenarioError(f"scenario path must be a string or path, got {type(path).__name__}")
     path = os.fspath(path)
@@ -153,20 +259,21 @@ def load_scenario_module(path: str) -> Any:
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ScenarioError(f"cannot import {path!r} as Python; a scenario is a .py file that defines make()")
+    if _defines_make(path) is False:
+        raise _no_make(path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling need the module registered while it loads
     try:
         spec.loader.exec_module(module)
+    except SystemExit as e:
+        raise _exit_message(e, "while importing") from None
     except Exception as e:
         raise ScenarioError(f"importing scenario {path!r} failed: {type(e).__name__}: {e}; run it with "
                             f"`python {path}` to see the traceback and fix the file") from e
     finally:
         sys.modules.pop(name, None)
     if not callable(getattr(module, "make", None)):
-        raise ScenarioError(
-            f"scenario {path!r} defines no make(); a scenario file must define make() returning "
-            "{'model': ..., 'batch': ..., ...}"
-        )
+        raise _no_make(path)
     return module
 
 
@@ -177,10 +284,13 @@ def spec_from_module(module: Any, source: str = "", **overrides: Any) -> StepSpe
     """Call ``module.make()`` and validate what it returns; ``overrides`` replace its keys."""
     try:
         made = module.make()
+    except SystemExit as e:
+        raise _exit_message(e, "in make()") from None
     except Exception as e:
-        raise ScenarioError(f"make() of scenario {source or module!r} raised {type(e).__name__}: {e}; call make() "
-                            "yourself (python -c 'import scenario; scenario.make()') to see the traceback and fix "
-                            "make()") from e
+        where = source or getattr(module, "__file__", "") or repr(module)
+        raise ScenarioError(f"make() of scenario {where!r} raised {type(e).__name__}: {e}; call make() yourself "
+                            f"(python -c \"import runpy; runpy.run_path({where!r})['make']()\") to see the "
+                            "traceback and fix make()") from e
     if not isinstance(made, dict) or "model" not in made:
         raise ScenarioError(
             f"make() of {source!r} must return a dict with at least 'model', got {type(made).__name__}"

@@ -33,6 +33,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ampdoctor.precision import _distributed
+from ampdoctor.precision._input_errors import untrainable
 from ampdoctor.precision._spec import ScenarioError, StepSpec
 
 log = logging.getLogger(__name__)
@@ -247,7 +248,11 @@ def prepare(spec: StepSpec, *, reference: bool, round_to: torch.dtype | None = N
     from exactly what a run in that dtype starts from (the step's own rounding noise). No host sync.
     """
     model, opt, scaler = copy_objects(spec)
-    batch = copy.deepcopy(spec.batch)
+    try:
+        batch = copy.deepcopy(spec.batch)
+    except Exception as e:
+        raise ScenarioError(f"cannot copy the batch ({type(e).__name__}: {e}); ampdoctor runs the step several times "
+                            "on copies: pass tensors and plain containers (dicts, tuples, lists)") from e
     dtypes = _distributed.param_dtypes(model)
     if reference:
         if any(t.is_floating_point() and t.dtype != torch.float32
@@ -396,6 +401,9 @@ class StepLoop:
         self.step_kw = _bind_train_step(spec.train_step, prep.optimizer, prep.scaler) if spec.train_step else {}
         self.result = StepResult()
         self._loss_checked = False
+        #: the user callable running now (one of ``_input_errors.STAGES``) and the type of the model's last output
+        #: (not the output: it would keep the activations alive): an error's message names whose code failed
+        self.stage, self.output_type = "model", ""
 
     def run(self, steps: int) -> StepResult:
         """All steps; returns :attr:`result`. Host syncs: one per step (its loss), plus the scale with a scaler."""
@@ -441,6 +449,7 @@ class StepLoop:
         return not (self.result.forward_only and limit is not None and step + 1 >= limit)
 
     def _train_step(self, step: int) -> torch.Tensor | None:
+        self.stage = "train_step"
         with self.amp:
             loss = self.spec.train_step(self.prep.model, self.prep.batch, **self.step_kw)  # type: ignore[misc]
         return loss if isinstance(loss, torch.Tensor) else None
@@ -453,14 +462,21 @@ class StepLoop:
             prep.model.zero_grad(set_to_none=True)
         grad_ctx = torch.no_grad() if self.result.forward_only else contextlib.nullcontext()
         with self.amp, grad_ctx:
+            self.stage = "model"
             out = call_model(prep.model, prep.batch)
+            self.output_type = type(out).__name__
+            self.stage = "loss_fn"
             loss = spec.loss_fn(out, prep.batch) if spec.loss_fn is not None else default_loss(out)
+            self.stage = "step"
         if spec.loss_fn is not None and not self._loss_checked:
             _check_loss(loss)
             self._loss_checked = True
         for ob in self.observers:
             ob.forward_done(self, step, out, loss)
         if loss is None or not loss.requires_grad:
+            if loss is not None and prep.reference and step == 0 and (prep.optimizer is not None
+                                                                      or prep.scaler is not None):
+                raise untrainable(loss, spec.loss_fn is not None)
             self.result.forward_only = True
             if self.keep_outputs:
                 self.result.outputs = float_outputs(out)

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ampdoctor.precision._cuda_policy import DEVICE_KINDS, policy_for
 from ampdoctor.precision._runner import run
 from ampdoctor.precision._spec import StepSpec, make_spec
 from ampdoctor.precision._step import saved_rng
@@ -40,11 +41,22 @@ class HeadroomRow:
     numel: int
     margin_bits: dict[str, float]
     flush_fraction: dict[str, float]
+    #: per autocast device kind ("cuda", "cpu"): the largest |max| among the ops that autocast may run in the low
+    #: dtype (all but its float32-listed ops, e.g. sum, softmax, pow); 0.0 when every op here runs in float32
+    autocast_absmax: dict[str, float] = field(default_factory=dict)
+
+    def margin(self, fmt: str, autocast: str | None = None) -> float:
+        """Margin in bits in ``fmt``; with ``autocast`` ("cuda"/"cpu"), only of the ops autocast runs low."""
+        if autocast is None:
+            return self.margin_bits[fmt]
+        amax = self.autocast_absmax.get(autocast, self.absmax)
+        return math.log2(_MAX[fmt] / amax) if amax > 0 else math.inf
 
     def to_dict(self) -> dict[str, Any]:
         return {"module": self.module, "phase": self.phase, "op": self.op, "absmax": self.absmax,
                 "min_nonzero": self.min_nonzero if math.isfinite(self.min_nonzero) else None,
-                "numel": self.numel, "margin_bits": self.margin_bits, "flush_fraction": self.flush_fraction}
+                "numel": self.numel, "margin_bits": self.margin_bits, "flush_fraction": self.flush_fraction,
+                "autocast_absmax": self.autocast_absmax}
 
 
 @dataclass(frozen=True)
@@ -53,12 +65,17 @@ class Headroom:
     loss: float | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
 
-    def predicted_failures(self, fmt: str = "fp16") -> list[str]:
-        """Modules whose forward or backward values exceed ``fmt``'s max (negative margin)."""
+    def predicted_failures(self, fmt: str = "fp16", autocast: str | None = None) -> list[str]:
+        """Modules whose forward or backward values exceed ``fmt``'s max (negative margin).
+
+        ``autocast="cuda"`` (or ``"cpu"``) judges a ``*-amp`` run: ops that autocast runs in float32 under that
+        device's policy are left out (their values never take the low dtype)."""
         _check_format(fmt)
+        if autocast not in (None, *DEVICE_KINDS):
+            raise ValueError(f"invalid autocast {autocast!r}, expected None or one of {', '.join(DEVICE_KINDS)}")
         out: list[str] = []
         for r in self.rows:
-            if r.margin_bits[fmt] < 0 and r.module not in out:
+            if r.margin(fmt, autocast) < 0 and r.module not in out:
                 out.append(r.module)
         return out
 
@@ -80,6 +97,14 @@ class Headroom:
         return {"loss": self.loss, "rows": [r.to_dict() for r in self.rows],
                 "predicted_failures": {f: self.predicted_failures(f) for f in FORMATS},
                 "keep_fp32": {f: self.keep_fp32(f) for f in FORMATS}, "notes": list(self.notes)}
+
+
+def _runs_fp32(op: str, device_kind: str) -> bool:
+    """Whether autocast on ``device_kind`` runs ``op`` in float32 (its fp32 lists), from the policy registry."""
+    try:
+        return (policy_for(op, device_kind) or "").startswith("fp32")
+    except (TypeError, ValueError):
+        return False
 
 
 def _check_format(fmt: str) -> None:
@@ -111,9 +136,13 @@ def headroom_spec(spec: StepSpec) -> Headroom:
             continue  # non-finite in fp32 or exactly at fp32's max: mask sentinels and log(0), not data range
         key = (r.module, r.phase)
         b = best.setdefault(key, {"absmax": 0.0, "op": r.op, "min_nonzero": math.inf, "numel": 0,
-                                  "nonzero": 0.0, **{f"flush_{f}": 0.0 for f in FORMATS}})
+                                  "nonzero": 0.0, "autocast": dict.fromkeys(DEVICE_KINDS, 0.0),
+                                  **{f"flush_{f}": 0.0 for f in FORMATS}})
         if s["absmax"] > b["absmax"]:
             b["absmax"], b["op"] = s["absmax"], r.op
+        for kind in DEVICE_KINDS:
+            if not _runs_fp32(r.op, kind):
+                b["autocast"][kind] = max(b["autocast"][kind], s["absmax"])
         b["min_nonzero"] = min(b["min_nonzero"], s["min_nonzero"])
         b["numel"] += int(s["numel"])
         b["nonzero"] += s["numel"] - s["n_zero"]
@@ -123,9 +152,27 @@ def headroom_spec(spec: StepSpec) -> Headroom:
     for (module, phase), b in best.items():
         margin = {f: (math.log2(_MAX[f] / b["absmax"]) if b["absmax"] > 0 else math.inf) for f in FORMATS}
         flush = {f: (b[f"flush_{f}"] / b["nonzero"] if b["nonzero"] else 0.0) for f in FORMATS}
-        rows.append(HeadroomRow(module, phase, b["op"], b["absmax"], b["min_nonzero"], b["numel"], margin, flush))
+        rows.append(HeadroomRow(module, phase, b["op"], b["absmax"], b["min_nonzero"], b["numel"], margin, flush,
+                                b["autocast"]))
     loss = res.losses[0] if res.losses else None
+    return Headroom(tuple(rows), loss, tuple(_notes(spec, res, loss)))
+
+
+def _notes(spec: StepSpec, res: Any, loss: float | None) -> list[str]:
+    """What makes the rows incomplete: a crash, or values that are non-finite already in float32."""
+    import torch
+
+    from ampdoctor.trace import iter_tensors
+
     notes = []
     if res.exc is not None:
         notes.append(f"the fp32 run raised {type(res.exc).__name__}: {res.exc}")
-    return Headroom(tuple(rows), loss, tuple(notes))
+    # NaN (not -inf: additive attention masks are -inf by design) in the input makes the fp32 run non-finite
+    bad = sum(int(torch.isnan(t).sum()) for t in iter_tensors(spec.batch) if t.is_floating_point())
+    if bad:
+        notes.append(f"the batch holds {bad} NaN value(s): the float32 run is non-finite from its input, so its "
+                     "range cannot be judged; fix the data first")
+    if loss is not None and not math.isfinite(loss):
+        notes.append(f"the float32 loss is {loss}: the step is non-finite even in float32, which no precision "
+                     "change fixes; values that are non-finite in float32 are left out of the rows")
+    return notes

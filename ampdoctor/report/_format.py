@@ -212,7 +212,7 @@ def site(entry: Any) -> str:
         return "-"
     op = str(entry.get("op") or "") or "?"
     module = str(entry.get("module") or "")
-    where = f"{op} in {module}" if module else f"{op} (model root)"
+    where = f"{op} in {module}" if module else f"{op} in <root>"
     extras = [str(entry[k]) for k in ("phase",) if entry.get(k)]
     if isinstance(entry.get("step"), int):
         extras.append(f"step {entry['step']}")

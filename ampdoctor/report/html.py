@@ -142,7 +142,7 @@ def _log_range(values: list[Any]) -> dict[str, Any]:
 def _hover(r: F.LayerRow) -> str:
     # plotly renders a few HTML tags in hover text; model strings are escaped so they show literally
     parts = [
-        f"<b>{_html.escape(r.module or '(model root)', quote=False)}</b>",
+        f"<b>{_html.escape(r.module or '<root>', quote=False)}</b>",
         _html.escape(" · ".join(x for x in (r.op, r.dtype, r.phase) if x), quote=False),
         f"reference |max| {F.fmt_num(r.ref_absmax)}, target |max| {F.fmt_num(r.target_absmax)}",
         f"margin {F.fmt_margin(r.margin_bits)} bits, flush {F.fmt_percent(r.flush_fraction)}, "

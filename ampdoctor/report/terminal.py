@@ -129,6 +129,9 @@ def _summary_panel(rich: Any, report: Report) -> Any:
     if elapsed is not None:
         run.append(f"{elapsed:.1f} s")
     row("Run", (", ".join(run), ""))
+    if s.get("forward_only") is True:  # say what did not run: an "OK" here judges the forward only
+        row("Mode", ("forward only: no backward and no optimizer step ran (the step has no loss with a graph; pass "
+                     "loss_fn=... to diagnose training)", "yellow"))
     if report.source:
         row("Source", (report.source, ""))
 
@@ -140,7 +143,7 @@ def _summary_panel(rich: Any, report: Report) -> Any:
         row(
             "Root cause",
             (root.code, _SEVERITY_STYLE.get(root.severity, "")),
-            (f" in {root.module or '(model root)'} ({detail})", ""),
+            (f" in {root.module or '<root>'} ({detail})", ""),
         )
     if "loss_target" in s or "loss_reference" in s:
         row("Loss (last step)", (F.loss_text(s), ""))
@@ -199,7 +202,7 @@ def _finding_panel(rich: Any, index: int, finding: Finding) -> Any:
     head.append(finding.title or finding.code, style="bold")
     where = rich.text.Text()
     for label, value in (
-        ("module", finding.module or "(model root)"),
+        ("module", finding.module or "<root>"),
         ("op", finding.op or "-"),
         ("phase", finding.phase),
         ("step", str(finding.step)),
@@ -278,7 +281,7 @@ class _LayerTable:
         for r in self._rows:
             bad = r.margin_bits is not None and r.margin_bits < 0
             phase = rich.text.Text({"forward": "fwd", "backward": "bwd"}.get(r.phase, r.phase or "-"))
-            module = rich.text.Text(r.module or "(model root)")
+            module = rich.text.Text(r.module or "<root>")
             if wide:
                 where = [module, rich.text.Text(_short_op(r.op) or "-"), phase]
             else:

@@ -58,7 +58,7 @@ class Watch:
         self.model, self.optimizer, self.options = model, optimizer, options
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self._health = Health()
-        self._entered = False
+        self._entered = self._exited = False
         self._sinks = Sinks()
         self._tracker = StepTracker(model, optimizer, GradScalerView(self.scaler) if self.scaler is not None
                                     else None, options, self._sinks, self._health)
@@ -97,6 +97,7 @@ class Watch:
                 self._tracker.remove_hooks()
             finally:
                 self._health.active = False
+                self._exited = True
                 self._sinks.close()
         if deferred is not None and exc_type is None:
             raise deferred
@@ -160,6 +161,9 @@ class Watch:
         if not self._entered:
             raise RuntimeError(f"Watch.{what}() was called before the watch was entered: use it as "
                                "`with ampdoctor.watch(model, optimizer, scaler) as w:` around the training loop")
+        if self._exited:  # a NaN reported after the block would be silently ignored
+            raise RuntimeError(f"Watch.{what}() was called after the watch's `with` block ended; it observes "
+                               "nothing then: keep the training loop inside `with ampdoctor.watch(...) as w:`")
 
     def _payload(self, a: Anomaly) -> dict[str, Any]:
         t, d = self._tracker, a.detection
@@ -220,10 +224,12 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     parameters the optimizer updates (to measure lost updates). The inputs of the last forward are kept by
     reference until the next one. An internal error disables the failing part with one warning; training continues.
     """
-    opts = WatchOptions(on_anomaly=on_anomaly, reproducer_dir=None if reproducer_dir is None else os.fspath(
-        reproducer_dir), coverage_steps=coverage_steps, grad_spike_factor=grad_spike_factor,
-        tensorboard=None if tensorboard is None else os.fspath(tensorboard), collapse_steps=collapse_steps,
-        source=source, locate=locate)
+    def path(v: Any) -> Any:  # a wrong type is reported by WatchOptions, naming the argument
+        return os.fspath(v) if isinstance(v, os.PathLike) else v
+
+    opts = WatchOptions(on_anomaly=on_anomaly, reproducer_dir=path(reproducer_dir), coverage_steps=coverage_steps,
+                        grad_spike_factor=grad_spike_factor, tensorboard=path(tensorboard),
+                        collapse_steps=collapse_steps, source=source, locate=locate)
     return Watch(model, optimizer, scaler, opts)
 
 
