@@ -65,7 +65,7 @@ class AmpDoctorCallback(TrainerCallback):
         if w is None:
             return
         w.step()            # no loss here; notices a GradScaler-skipped step without waiting for the forward
-        if self.stop_on_anomaly:
+        if self.stop_on_anomaly and w.counters().get("anomalies"):
             anomalies = w.report().summary.get("anomalies", [])
             if anomalies:
                 first = anomalies[0]
@@ -77,13 +77,9 @@ class AmpDoctorCallback(TrainerCallback):
         w = self.watch
         if w is None or not state.log_history:
             return
-        s = w.report().summary
         entry = state.log_history[-1]
-        for key, value in (("loss_scale", (s.get("loss_scales") or [None])[-1]),
-                           ("grad_norm", (s.get("grad_norms") or [None])[-1]),
-                           ("skipped_steps", s.get("skipped_steps")),
-                           ("anomalies", sum((s.get("anomaly_counts") or {}).values()))):
-            if value is not None:
+        for key, value in w.counters().items():
+            if key != "steps":
                 entry[f"ampdoctor/{key}"] = value
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

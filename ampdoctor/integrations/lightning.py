@@ -66,6 +66,9 @@ class AmpDoctorCallback(Callback):
             return
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         self.watch.step(loss if isinstance(loss, torch.Tensor) else None)
+        for key, value in self.watch.counters().items():     # into the Trainer's own loggers (self.log)
+            if key != "steps":
+                pl_module.log(f"ampdoctor/{key}", float(value), on_step=True, on_epoch=False, prog_bar=False)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._close()

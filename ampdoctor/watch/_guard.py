@@ -151,6 +151,21 @@ class Watch:
             self._health.disable(exc)
             return Report((), None, {"source": "watch", "disabled": self._health.disabled}, (), "watch")
 
+    def counters(self) -> dict[str, float]:
+        """Cheap running values for a framework's logger (no report is built, no sync): ``steps``,
+        ``skipped_steps``, ``anomalies`` and, when known, the last ``loss_scale`` and ``grad_norm``."""
+        t = self._tracker
+        if not self._health.ready:
+            return {}
+        out: dict[str, float] = {"steps": t.n_steps, "skipped_steps": t.state.health.skipped,
+                                 "anomalies": sum(self._policy.counts.values())}
+        if t.state.health.last is not None:
+            out["loss_scale"] = t.state.health.last
+        norm = next((r.grad_norm for r in reversed(t.records[-4:]) if r.grad_norm is not None), None)
+        if norm is not None:
+            out["grad_norm"] = norm
+        return out
+
     @property
     def disabled(self) -> str | None:
         """Why the watch disabled itself after an internal error (``None`` while it works)."""

@@ -38,10 +38,11 @@ def loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 8, generator=g)), batch_size=4)
 
 
-def fit(module: L.LightningModule, cb: AmpDoctorCallback, steps: int = 4) -> None:
+def fit(module: L.LightningModule, cb: AmpDoctorCallback, steps: int = 4) -> L.Trainer:
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
     trainer.fit(module, loader())
+    return trainer
 
 
 def test_lightning_report_names_the_unused_module() -> None:
@@ -58,9 +59,12 @@ def test_lightning_report_names_the_unused_module() -> None:
 def test_lightning_healthy_run_is_ok() -> None:
     torch.manual_seed(0)
     cb = AmpDoctorCallback()
-    fit(Module(), cb)
+    trainer = fit(Module(), cb)
     assert cb.report.ok and cb.report.findings == ()
     assert len(cb.report.summary["grad_norms"]) == 4
+    logged = trainer.logged_metrics                     # ampdoctor's values reach the Trainer's own loggers
+    assert float(logged["ampdoctor/anomalies"]) == 0.0 and float(logged["ampdoctor/skipped_steps"]) == 0.0
+    assert float(logged["ampdoctor/grad_norm"]) > 0
 
 
 def test_lightning_closure_step_is_stopped_before_the_update() -> None:
