@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -177,10 +178,17 @@ def _diagnose_hf(path: str, precision: str, policy: str, json_out: str | None, h
               help="also write each report as JSON into this folder")
 @click.option("--steps", type=click.IntRange(min=1), default=10, show_default=True,
               help="training steps of each fix verification")
-def demo(json_dir: str | None, steps: int) -> None:
-    """Diagnose the built-in scenarios (T5 fp16-amp FF overflow, BERT's unused pooler) and verify a fix."""
+@click.option("--verbose", is_flag=True, default=False,
+              help="also print each full report and the table of every fix tried")
+def demo(json_dir: str | None, steps: int, verbose: bool) -> None:
+    """Diagnose the built-in scenarios (T5 fp16-amp FF overflow, BERT's unused pooler) and verify a fix.
+
+    Each case prints its summary and one "what to do" block (the verified fix, its numbers in one line, the code);
+    ``--verbose`` adds the full report and the table of every fix tried (also in ``--json``).
+    """
     from ampdoctor.fixes import diagnose_and_fix
     from ampdoctor.report import render_terminal, write_json
+    from ampdoctor.report.terminal import renderables
     from ampdoctor.scenarios import DEMO, load_scenario
 
     console = _console()
@@ -188,12 +196,49 @@ def demo(json_dir: str | None, steps: int) -> None:
         module = load_scenario(name)
         title = (module.__doc__ or name).strip().splitlines()[0]
         console.rule(f"[bold]{name}[/bold]: {title}")
-        report = diagnose_and_fix(str(module.__file__), steps=steps, until_verified=True)
-        render_terminal(report, console=console)
-        console.print(_fix_table(report, steps))
+        status = console.status(f"diagnosing {name} and verifying fixes ({steps} steps)") if console.is_terminal \
+            else contextlib.nullcontext()
+        with status:
+            report = diagnose_and_fix(str(module.__file__), steps=steps, until_verified=True)
+        if verbose:
+            render_terminal(report, console=console)
+            console.print(_fix_table(report, steps))
+        else:
+            console.print(renderables(report)[0])
+        _what_to_do(console, report, steps)
         if json_dir:
             os.makedirs(json_dir, exist_ok=True)
             write_json(report, os.path.join(json_dir, f"{name}.json"))
+
+
+def _what_to_do(console: Any, report: Any, steps: int) -> None:
+    """The verified fix of a report in a few lines: what, its numbers in one line, the code."""
+    from rich.syntax import Syntax
+
+    from ampdoctor.fixes import NoFixError, best_fix
+
+    try:
+        proposal, _ = best_fix(report)
+    except NoFixError:
+        console.print("[bold]what to do:[/bold] no fix could be verified; see `ampdoctor fix FILE --fp32-policy`")
+        return
+    v = proposal.verification or {}
+    if not proposal.verified:
+        console.print(f"[bold]what to do:[/bold] no fix verified ({v.get('reason', 'not tried')})")
+        return
+
+    def num(x: Any) -> str:
+        return f"{x:.4g}" if isinstance(x, float) else str(x)
+
+    tol = v.get("tolerance", {})
+    console.print(f"[bold]what to do:[/bold] {proposal.title}")
+    console.print(f"  verified over {v.get('steps', steps)} training steps against fp32: loss "
+                  f"{num(v.get('loss_fp32'))} fp32 / {num(v.get('loss_broken'))} before / "
+                  f"{num(v.get('loss_fixed'))} after; curve error {num(v.get('max_rel_err_curve'))} <= "
+                  f"{num(tol.get('curve'))}; steps finite {v.get('steps_finite_broken')} -> {v.get('steps_finite')}")
+    code = proposal.snippet or ""
+    if code:
+        console.print(Syntax(code, "python", word_wrap=True))
 
 
 @main.command("fix")
