@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -172,3 +173,45 @@ def _seeded() -> None:
 
 def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+#: import names of the packages the ``test`` extra installs (pyproject.toml): a test that needs one of them is
+#: skipped locally when it is missing, but under ``CI=true`` the missing package is a failure (a broken install
+#: must not make whole test files vanish)
+TEST_EXTRA_MODULES = ("transformers", "jinja2", "plotly", "click", "rich", "jsonschema", "lightning", "accelerate",
+                      "tensorboard", "hypothesis")
+_IMPORT_SKIP = re.compile(r"could not import '([\w.]+)'")
+
+
+def missing_test_extra(reason: str) -> str | None:
+    """The test-extra package an ``importorskip`` skip reason names, or None."""
+    m = _IMPORT_SKIP.search(reason)
+    if m is None:
+        return None
+    root = m.group(1).split(".")[0]
+    return root if root in TEST_EXTRA_MODULES else None
+
+
+def _strict(report: Any) -> None:
+    if not (report.skipped and in_ci()):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    name = missing_test_extra(str(reason))
+    if name is not None:
+        report.outcome = "failed"
+        report.longrepr = (f"CI=true: '{name}' is part of the test extra but is not importable ({reason}); "
+                           "pip install -e '.[test]'")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: Any) -> Any:
+    """Module-level ``pytest.importorskip`` of a test-extra package fails under CI instead of skipping."""
+    outcome = yield
+    _strict(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: Any, call: Any) -> Any:
+    """``pytest.importorskip`` inside a test of a test-extra package fails under CI instead of skipping."""
+    outcome = yield
+    _strict(outcome.get_result())

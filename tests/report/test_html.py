@@ -191,9 +191,13 @@ def test_initial_scale_decides_step_zero():
 
 def test_figures_are_valid_plotly(any_report):
     go = pytest.importorskip("plotly.graph_objects")
-    _, report = any_report
-    for fig in figures(report):
-        go.Figure(data=fig["data"], layout=fig["layout"])  # raises on an unknown property or bad value
+    name, report = any_report
+    figs = figures(report)
+    assert figs, f"{name}: no figure to check"
+    for fig in figs:
+        made = go.Figure(data=fig["data"], layout=fig["layout"])  # raises on an unknown property or bad value
+        assert len(made.data) == len(fig["data"]) >= 1, fig["id"]
+        assert made.to_plotly_json()["data"][0]["type"] == fig["data"][0].get("type", "scatter"), fig["id"]
 
 
 def test_no_layers_no_layer_plots():

@@ -25,17 +25,6 @@ class Net(nn.Module):
         return self.head(torch.relu(self.body(x))).pow(2).mean()
 
 
-def has_diagnose() -> bool:
-    try:
-        from ampdoctor import diagnose as mod
-    except ImportError:
-        return False
-    return hasattr(mod, "diagnose") or callable(mod)
-
-
-needs_diagnose = pytest.mark.skipif(not has_diagnose(), reason="ampdoctor.diagnose is not wired yet")
-
-
 def run_until_nonfinite(tmp_path, bad_step: int = 3, steps: int = 5, **opts):
     """AdamW loop whose batch at ``bad_step`` holds an inf; returns the watch and what the loop saw there."""
     torch.manual_seed(0)
@@ -120,7 +109,6 @@ def test_replay_needs_the_architecture(tmp_path) -> None:
         replay(tmp_path / "step000003-nonfinite-grads.pt", model_factory=lambda: nn.Linear(3, 3))
 
 
-@needs_diagnose
 def test_replay_from_file_runs_the_step_under_diagnosis(tmp_path) -> None:
     run_until_nonfinite(tmp_path)
     rng = torch.get_rng_state()
@@ -131,7 +119,6 @@ def test_replay_from_file_runs_the_step_under_diagnosis(tmp_path) -> None:
     assert r.source.endswith("step000003-nonfinite-grads.pt")
 
 
-@needs_diagnose
 def test_replay_from_a_scenario_source(tmp_path) -> None:
     scenario = tmp_path / "scn.py"
     scenario.write_text(
@@ -175,7 +162,6 @@ def test_empty_truncated_or_malformed_reproducers_are_clear_errors(tmp_path, con
         load_reproducer(p)
 
 
-@needs_diagnose
 def test_in_process_replay_leads_the_report(tmp_path) -> None:
     w, _ = run_until_nonfinite(tmp_path, on_anomaly="replay")
     r = w.report()
