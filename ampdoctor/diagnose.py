@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any
 
@@ -16,19 +15,19 @@ import torch
 from torch import nn
 
 from ampdoctor.errors import DiagnosisError
-from ampdoctor.findings import CODES, Finding, Report, analyse, build_context
-from ampdoctor.findings._context import Context, chain_summary, dtype_name, limits
+from ampdoctor.findings import Finding, Report, analyse, build_context
 from ampdoctor.findings._knowledge import enrich_all
+from ampdoctor.findings._ranks import agree
+from ampdoctor.findings._summary import layers, summary
 from ampdoctor.precision import (
+    RunResult,
     StepSpec,
-    _distributed,
     load_scenario_module,
     make_spec,
     run,
     saved_rng,
     spec_from_module,
 )
-from ampdoctor.trace._lineage import is_nonfinite
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +78,7 @@ def diagnose_file(path: str, **overrides: Any) -> Report:
 
 
 def diagnose_spec(spec: StepSpec, *, policy: str = "cuda", progress: Any = None) -> Report:
+    """spec -> reference run -> target run -> context -> rules -> ranking -> enrichment -> agreement -> report."""
     def phase(name: str) -> None:
         log.info("diagnose: %s", name)
         if progress is not None:
@@ -93,100 +93,27 @@ def diagnose_spec(spec: StepSpec, *, policy: str = "cuda", progress: Any = None)
         target = run(spec, reference=False, policy=policy)
     phase("analysis")
     ctx = build_context(spec, target, reference)
-    findings = enrich_all(analyse(ctx), spec.model, spec.precision)
+    findings = enrich_all(analyse(ctx), spec.model, spec.precision)  # rules, ranking, enrichment
     # under DDP/FSDP: one all_reduce shares each rank's own non-finite origin (every rank runs diagnose)
-    agreement = _distributed.agree(spec.model, ctx.records, ctx.lineage.carried,
-                                   [o.record.index for o in ctx.harmful_origins()], findings, CODES)
+    agreement = agree(spec.model, ctx.records, ctx.lineage.carried, [o.record.index for o in ctx.harmful_origins()],
+                      findings)
     if agreement is not None:
-        findings = [Finding(**kw) for kw in agreement.inserted] + list(agreement.findings)
-    if target.exc is not None and not any(f.severity == "error" for f in findings):
-        err = target.trace.error or {}
-        where = f" in {err.get('op', '?')} of {err.get('module') or '<root>'}" if err else ""
-        raise DiagnosisError(
-            f"the {spec.precision or 'as-given'} run raised {type(target.exc).__name__} at step {target.exc_step}"
-            f"{where}: {str(target.exc).splitlines()[0] if str(target.exc) else ''}. ampdoctor found no numerics "
-            "cause for it; run the step without ampdoctor to see the full traceback") from target.exc
-    summary = _summary(ctx, findings, time.perf_counter() - t0)
+        findings = list(agreement.inserted) + list(agreement.findings)
+    _raise_unexplained_crash(spec, target, findings)
+    run_summary = summary(ctx, findings, time.perf_counter() - t0)
     if agreement is not None:
-        summary.update(agreement.summary())  # rank, world_size, nonfinite_ranks, nonfinite_origin, ...
+        run_summary.update(agreement.summary())  # rank, world_size, nonfinite_ranks, nonfinite_origin, ...
     phase("done")
-    return Report(tuple(findings), spec.precision, summary, tuple(_layers(ctx)), spec.source)
+    return Report(tuple(findings), spec.precision, run_summary, tuple(layers(ctx)), spec.source)
 
 
-def _summary(ctx: Context, findings: list[Any], elapsed: float) -> dict[str, Any]:
-    t, ref = ctx.target, ctx.reference
-    recs = t.trace.records
-    first_nf = next((r for r in recs if is_nonfinite(r)), None)
-    first_nan = next((r for r in recs if r.stats.get("n_nan", 0) > 0), None)
-    s: dict[str, Any] = {
-        "precision": ctx.spec.precision,
-        "steps": ctx.spec.steps,
-        "loss_target": t.losses,
-        "loss_reference": ref.losses if ref is not None else [],
-        "forward_only": t.forward_only,
-        "device": t.device,
-        "torch_version": torch.__version__,
-        "elapsed_s": round(elapsed, 3),
-        "ops_traced": len(recs),
-        "origins": [{"op": o.record.op, "module": o.record.module, "phase": o.record.phase,
-                     "step": o.record.step, "harmful": o.harmful, "why": o.reasons[0] if o.reasons else "absorbed"}
-                    for o in ctx.origins[:20]],
-    }
-    if first_nf is not None:
-        s["first_nonfinite"] = ctx.describe(first_nf)
-    if first_nan is not None:
-        s["first_nan"] = ctx.describe(first_nan)
-    harmful = ctx.harmful_origins()
-    if harmful:
-        s["chain"] = chain_summary(ctx, harmful[0].record.index)
-    scales = ctx.scales
-    if scales:
-        s["scales"] = scales
-        s["skipped_steps"] = ctx.skipped_steps
-    if t.fp8 is not None:
-        s["fp8"] = [{"module": x.module, "role": x.role, "format": x.format, "step": x.step, "amax": x.amax,
-                     "scale": x.scale, "amax_history": x.amax_history, "saturated": x.saturated,
-                     "underflowed": x.underflowed, "nonzero": x.nonzero, "numel": x.numel}
-                    for x in t.fp8.tensors]
-    if t.exc is not None:
-        s["exception"] = {"type": type(t.exc).__name__, "message": str(t.exc).splitlines()[0][:300] if str(t.exc)
-                          else "", "step": t.exc_step}
-    return s
-
-
-def _layers(ctx: Context) -> list[dict[str, Any]]:
-    """Per module and phase: the op with the largest |max| in the target, against the reference."""
-    best: dict[tuple[str, str], Any] = {}
-    order: dict[tuple[str, str], int] = {}
-    benign = {o.record.index for o in ctx.origins if not o.harmful}
-    carried = ctx.lineage.carried
-    for r in ctx.records:
-        if r.kind != "op" or r.phase not in ("forward", "backward") or r.step != 0 or not r.stats:
-            continue
-        if r.index in carried and carried[r.index] <= benign:
-            continue  # benign infinities (masks, log(0)) are not range
-        key = (r.module, r.phase)
-        order.setdefault(key, len(order))
-        amax = math.inf if (r.stats["n_posinf"] + r.stats["n_neginf"]) else r.stats["absmax"]
-        cur = best.get(key)
-        if cur is None or amax > cur[0]:
-            best[key] = (amax, r)
-    out = []
-    for key, (amax, r) in sorted(best.items(), key=lambda kv: order[kv[0]]):
-        ref = ctx.ref(r)
-        numel = max(r.stats["numel"], 1.0)
-        rel = None
-        if ref is not None and ref.stats["norm"] > 0 and math.isfinite(r.stats["norm"]):
-            rel = abs(r.stats["norm"] - ref.stats["norm"]) / ref.stats["norm"]
-        flush = 0.0
-        if ref is not None:
-            flush = max(0.0, (r.stats["n_zero"] - ref.stats["n_zero"]) / numel)
-        out.append({
-            "module": r.module, "depth": order[key], "phase": r.phase, "op": r.op, "dtype": dtype_name(r.dtype),
-            "ref_absmax": ref.stats["absmax"] if ref is not None else None, "target_absmax": amax,
-            "min_nonzero": r.stats["min_nonzero"] if math.isfinite(r.stats["min_nonzero"]) else None,
-            "flush_fraction": flush, "rel_error": rel,
-            "nonfinite": int(r.stats["n_nan"] + r.stats["n_posinf"] + r.stats["n_neginf"]),
-            "format_max": limits(r.dtype)[0],
-        })
-    return out
+def _raise_unexplained_crash(spec: StepSpec, target: RunResult, findings: list[Finding]) -> None:
+    """The target run crashed and no error finding explains it: pass the user's error on."""
+    if target.exc is None or any(f.severity == "error" for f in findings):
+        return
+    err = target.trace.error or {}
+    where = f" in {err.get('op', '?')} of {err.get('module') or '<root>'}" if err else ""
+    raise DiagnosisError(
+        f"the {spec.precision or 'as-given'} run raised {type(target.exc).__name__} at step {target.exc_step}"
+        f"{where}: {str(target.exc).splitlines()[0] if str(target.exc) else ''}. ampdoctor found no numerics "
+        "cause for it; run the step without ampdoctor to see the full traceback") from target.exc

@@ -18,6 +18,7 @@ from torch import nn
 
 from ampdoctor.findings import Finding, Report, analyse, build_context
 from ampdoctor.findings._knowledge import enrich_all
+from ampdoctor.findings._summary import layers as layer_table
 from ampdoctor.precision import (
     NOISE_MARGIN_RMS,
     NOISE_REL_ERR,
@@ -120,8 +121,6 @@ def _step_findings(model: nn.Module, precision: str, source: str, first: DecodeS
     """The op-level findings of the failing decode step, each carrying where in the generation it happened.
 
     ``curves`` (per module, |max| per position of the prefill) place a prefill finding within the prompt."""
-    from ampdoctor.diagnose import _layers  # per-module range table of the report (shared with diagnose)
-
     if again.traced is None:  # pragma: no cover - generate(trace_step=k) traces step k whenever it is reached
         raise RuntimeError(f"decode step {first.step} was not traced")
     target, reference = again.traced
@@ -146,7 +145,7 @@ def _step_findings(model: nn.Module, precision: str, source: str, first: DecodeS
     summary: dict[str, Any] = {"ops_traced": len(records)}
     if nf is not None:
         summary["first_nonfinite"] = dict(ctx.describe(nf), decode_step=first.step, position=first.position)
-    return out, _layers(ctx), summary
+    return out, layer_table(ctx), summary
 
 
 def _cache_role(ctx: Any, f: Finding, cache_records: set[int]) -> str:

@@ -119,7 +119,7 @@ def overflow(ctx: Context) -> list[Candidate]:
                      f"{fmt(ev['unscaled_absmax'])} and fits, so GradScaler skips this step and halves the scale "
                      "(normal while it calibrates; a scale that keeps falling is reported as loss-scale-collapse).")
         out.append(Candidate(Finding(
-            "overflow", severity, r.module, r.op, r.phase,  # type: ignore[arg-type]
+            "overflow", severity, r.module, r.op, r.phase,
             f"{op_base(r.op)} overflows {dtype_name(r.dtype)} in {r.module or '<root>'}",
             expl, ev, tuple(fixes), r.step), r.index))
     return out
@@ -146,7 +146,7 @@ def nan_from_inf(ctx: Context) -> list[Candidate]:
         # NaN made from a gradient that only the loss scale pushed over the max: GradScaler skips this step
         severity = "warning" if scale_explains(ctx, o.record) is not None else "error"
         out.append(Candidate(Finding(
-            "nan-from-inf", severity, nan.module, nan.op, nan.phase,  # type: ignore[arg-type]
+            "nan-from-inf", severity, nan.module, nan.op, nan.phase,
             f"inf becomes NaN at {op_base(nan.op)} in {nan.module or '<root>'}", expl, ev, (), nan.step),
             o.record.index))
     return out
@@ -193,7 +193,7 @@ def masked_row_nan(ctx: Context) -> list[Candidate]:
                         "probs = probs.masked_fill(~allowed.any(-1, keepdim=True), 0.0)"),
         )
         out.append(Candidate(Finding(
-            "masked-row-nan", "error", r.module, r.op, r.phase,  # type: ignore[arg-type]
+            "masked-row-nan", "error", r.module, r.op, r.phase,
             f"softmax over fully masked rows gives NaN in {r.module or '<root>'}", expl, ev, fixes, r.step),
             origins[0]))
     return out
@@ -237,7 +237,7 @@ def constant_out_of_range(ctx: Context) -> list[Candidate]:
                     f"a Python literal beyond ±{fmt(limits(r.dtype)[0])} (like -1e9 in `x[mask] = -1e9`) is "
                     f"converted silently. The {sign} {o.reasons[0]}.")
             out.append(Candidate(Finding(
-                "constant-out-of-range", "error", user.module, user.op, user.phase,  # type: ignore[arg-type]
+                "constant-out-of-range", "error", user.module, user.op, user.phase,
                 f"literal overflows {dtype_name(r.dtype)} in {user.module or '<root>'}", expl, ev,
                 (_finfo_fix(user.module),), user.step), r.index))
             continue
@@ -250,7 +250,7 @@ def constant_out_of_range(ctx: Context) -> list[Candidate]:
                 f"{fmt(limits(r.dtype)[0])}); it is stored as {'-inf' if v < 0 else 'inf'} silently. "
                 f"The inf {o.reasons[0]}.")
         out.append(Candidate(Finding(
-            "constant-out-of-range", "error", r.module, r.op, r.phase,  # type: ignore[arg-type]
+            "constant-out-of-range", "error", r.module, r.op, r.phase,
             f"literal {v:g} overflows {dtype_name(r.dtype)} in {r.module or '<root>'}", expl, ev,
             (_finfo_fix(r.module),), r.step), r.index))
     out.extend(_flushed_literal_candidates(ctx))
@@ -280,7 +280,7 @@ def _flushed_literal_candidates(ctx: Context) -> list[Candidate]:
                           params={"modules": [r.module]})
         out.append(Candidate(Finding(
             "constant-out-of-range", "error" if harm is not None else "warning", r.module, r.op,
-            r.phase,  # type: ignore[arg-type]
+            r.phase,
             f"literal {lit:g} is 0 in {dt} in {r.module or '<root>'}", expl, ev, (fix,), r.step), r.index))
     return out
 
@@ -319,7 +319,7 @@ def nonfinite_input(ctx: Context) -> list[Candidate]:
         fix = FixProposal("find where the data gets non-finite and drop or repair those samples",
                           "assert torch.isfinite(batch['x']).all(), 'non-finite input'")
         out.append(Candidate(Finding(
-            "nonfinite-input", "error" if o.harmful else "warning", module, "", phase,  # type: ignore[arg-type]
+            "nonfinite-input", "error" if o.harmful else "warning", module, "", phase,
             title, expl, ev, (fix,), r.step), SETUP_INPUT if o.harmful else r.index))
     return out
 
@@ -364,7 +364,7 @@ def unused_parameters(ctx: Context) -> list[Candidate]:
                             "DistributedDataParallel(model, find_unused_parameters=True)"),
             )
             out.append(Candidate(Finding(
-                "unused-parameters", severity, owner, "", "backward",  # type: ignore[arg-type]
+                "unused-parameters", severity, owner, "", "backward",
                 f"{owner or '<root>'}: {len(params)} trainable parameter(s) never get a gradient", expl, ev, fixes),
                 SETUP_CRASHED_COVERAGE if crashed else RUN_END))
     missing = [p.name for p in cov if not p.in_optimizer and not p.grad_none]

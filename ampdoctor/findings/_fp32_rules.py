@@ -157,7 +157,7 @@ def _declared(ctx: Context) -> list[Candidate]:
             expl += f" fp32 reference |max| {fmt(ev['ref_absmax'])}."
         reported.add(root)
         out.append(Candidate(Finding(
-            "must-stay-fp32", "error", r.module, r.op, r.phase,  # type: ignore[arg-type]
+            "must-stay-fp32", "error", r.module, r.op, r.phase,
             f"{root} is declared float32 but runs in {dtype_name(r.dtype)}", expl, ev,
             _declared_fixes(root, ctx.spec.precision, r.dtype), r.step), r.index))
     # 2) no failure: declared modules running in half are one warning per declaration entry
@@ -284,7 +284,7 @@ def _rope(ctx: Context) -> list[Candidate]:
         # error, ranked before what it feeds); below that (short positions) it is a warning about latent drift
         severity = "error" if angle * u > TRIG_ERROR_LIMIT else "warning"
         out.append(Candidate(Finding(
-            "must-stay-fp32", severity, owner, at.op, "forward",  # type: ignore[arg-type]
+            "must-stay-fp32", severity, owner, at.op, "forward",
             f"rotary frequencies {ev['buffer']} stored in {dt}", expl, ev, fixes, at.step), at.index))
     return out
 
@@ -328,7 +328,7 @@ def _norm_stats(ctx: Context) -> list[Candidate]:
             keep_fp32_fix(r.module) if r.module else bf16_fix(ctx.spec.precision),
         )
         out.append(Candidate(Finding(
-            "must-stay-fp32", "warning", first.module, first.op, "forward",  # type: ignore[arg-type]
+            "must-stay-fp32", "warning", first.module, first.op, "forward",
             f"norm statistics computed in {dt} in {first.module or '<root>'}", expl, ev, fixes, first.step),
             first.index))
     return out

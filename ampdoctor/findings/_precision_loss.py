@@ -85,7 +85,7 @@ def precision_loss(ctx: Context) -> list[Candidate]:
         if at.module:
             fixes.append(keep_fp32_fix(at.module))
         out.append(Candidate(Finding(
-            "precision-loss", "error", at.module, at.op, at.phase,  # type: ignore[arg-type]
+            "precision-loss", "error", at.module, at.op, at.phase,
             f"catastrophic cancellation in {at.module or '<root>'} turns into NaN", expl, ev, tuple(fixes), at.step),
             at.index))
     flagged = ctx.precision_loss_records
@@ -146,7 +146,7 @@ def precision_loss(ctx: Context) -> list[Candidate]:
                                      "(u = 2**-11 instead of 2**-8)", id="switch_precision",
                                      params={"precision": "fp16-amp"}))
         out.append(Candidate(Finding(
-            "precision-loss", severity, r.module, r.op, r.phase,  # type: ignore[arg-type]
+            "precision-loss", severity, r.module, r.op, r.phase,
             f"{op_base(r.op)} loses {own:.1%} accuracy in {dt} in {r.module or '<root>'}", expl, ev, tuple(fixes),
             r.step), r.index))
     return out

@@ -82,7 +82,7 @@ def nonfinite_reference(ctx: Context) -> list[Candidate]:
         fix = FixProposal("guard the op that makes the non-finite value (an eps in the divisor, a clamp before log)",
                           "y = x / d.clamp_min(torch.finfo(d.dtype).tiny)  # or torch.log(p.clamp_min(...))")
         return [Candidate(Finding(
-            "nonfinite-reference", "error", r.module, r.op, r.phase,  # type: ignore[arg-type]
+            "nonfinite-reference", "error", r.module, r.op, r.phase,
             f"{op_base(r.op)} is non-finite in float32 too in {r.module or '<root>'}", expl, ev, (fix,), r.step),
             _target_index(ctx, r))]
     return []

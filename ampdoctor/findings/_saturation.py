@@ -138,7 +138,7 @@ def saturation(ctx: Context) -> list[Candidate]:
         fixes.append(FixProposal(
             "bfloat16 does not help here: its spacing below 1 is 2**-8, coarser than fp16's 2**-11"))
         out.append(Candidate(Finding(
-            "saturation", severity, r.module, r.op, r.phase,  # type: ignore[arg-type]
+            "saturation", severity, r.module, r.op, r.phase,
             f"{base} saturates to {BOUNDS[base].text} in {dt} in {r.module or '<root>'}"
             + (": gradients below it are exactly zero" if dead else ""),
             expl, ev, tuple(fixes), r.step), r.index))

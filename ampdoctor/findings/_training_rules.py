@@ -139,7 +139,7 @@ def loss_scale_collapse(ctx: Context) -> list[Candidate]:
     fixes = (bf16_fix(ctx.spec.precision),
              FixProposal("stop training when steps keep being skipped (watch the scale)",
                          "if scaler.get_scale() < 1.0: raise RuntimeError('loss scale collapsed')"))
-    return [Candidate(Finding("loss-scale-collapse", "error", module, op, phase,  # type: ignore[arg-type]
+    return [Candidate(Finding("loss-scale-collapse", "error", module, op, phase,
                               f"loss scale collapsed to {fmt(scales[-1])}", expl, ev, fixes), order)]
 
 
@@ -224,7 +224,7 @@ def fp8_scale(ctx: Context) -> list[Candidate]:
                              params={"amax_floor": 1e-12}),
                  FixProposal("skip quantisation of all-zero tensors/blocks",
                              "if amax == 0: return x  # nothing to scale"))
-        out.append(Candidate(Finding("fp8-scale", "error", r.module, r.op, r.phase,  # type: ignore[arg-type]
+        out.append(Candidate(Finding("fp8-scale", "error", r.module, r.op, r.phase,
                                      f"fp8 scale from amax 0 in {r.module or '<root>'}", expl, ev, fixes, r.step),
                              r.index))
     return out
@@ -270,8 +270,8 @@ def _emulated_fp8(ctx: Context) -> list[Candidate]:
             fixes = (FixProposal("use current (dynamic) scaling or a margin for this layer",
                                  "Fp8Recipe(scaling='dynamic', margin=1)"),
                      FixProposal(f"keep {module} in bf16", "", id="keep_fp32", params={"modules": [module]}))
-            out.append(Candidate(Finding("fp8-scale", severity, module, "aten.linear.default",  # type: ignore[arg-type]
-                                         phase_of[role], f"fp8 {role} of {module}: " + parts[0],  # type: ignore[arg-type]
+            out.append(Candidate(Finding("fp8-scale", severity, module, "aten.linear.default",
+                                         phase_of[role], f"fp8 {role} of {module}: " + parts[0],
                                          expl, ev, fixes),
                                  RUN_FP8_SCALES))
     return out

@@ -7,13 +7,39 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from enum import Enum
+from typing import Any
 
-Severity = Literal["error", "warning", "info"]
-Phase = Literal["forward", "backward", "optimizer", "setup"]
 
-SEVERITIES: tuple[str, ...] = ("error", "warning", "info")
-PHASES: tuple[str, ...] = ("forward", "backward", "optimizer", "setup")
+class _StrEnum(str, Enum):
+    """A string-valued enum that is its value everywhere a string is: ``==``, hashing, ``str``, f-strings, JSON."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class Severity(_StrEnum):
+    """How bad a finding is; ``Severity.ERROR == "error"``."""
+
+    ERROR = "error"
+    WARNING = "warning"
+    INFO = "info"
+
+
+class Phase(_StrEnum):
+    """Where in a step a finding's cause acts; ``Phase.FORWARD == "forward"``."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    SETUP = "setup"
+
+
+SEVERITIES: tuple[str, ...] = tuple(s.value for s in Severity)
+PHASES: tuple[str, ...] = tuple(p.value for p in Phase)
 
 #: Every cause code of the public contract, in the order of the documentation table.
 CODES: tuple[str, ...] = (
@@ -84,12 +110,13 @@ class FixProposal:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Finding:
     """One cause found in a run.
 
     ``module`` is the qualified name as in ``model.named_modules()`` (``""`` for the root or none), ``op``
-    the aten overload (``"aten.pow.Tensor_Scalar"``) or ``""``, ``phase`` one of :data:`PHASES`.
+    the aten overload (``"aten.pow.Tensor_Scalar"``) or ``""``, ``phase`` a :class:`Phase`, ``severity`` a
+    :class:`Severity` (both also accepted as their string values, and equal to them).
     ``evidence`` holds the numbers behind the explanation.
     """
 
@@ -104,22 +131,29 @@ class Finding:
     fixes: tuple[FixProposal, ...] = ()
     step: int = 0
 
-    def __post_init__(self) -> None:
-        if self.code not in CODES:
-            raise ValueError(f"unknown finding code {self.code!r}; expected one of {', '.join(CODES)}")
-        if self.severity not in SEVERITIES:
-            raise ValueError(f"invalid severity {self.severity!r}, expected one of {SEVERITIES}")
-        if self.phase not in PHASES:
-            raise ValueError(f"invalid phase {self.phase!r}, expected one of {PHASES}")
+    def __init__(self, code: str, severity: Severity | str, module: str, op: str, phase: Phase | str, title: str,
+                 explanation: str, evidence: dict[str, Any] | None = None, fixes: tuple[FixProposal, ...] = (),
+                 step: int = 0) -> None:
+        if code not in CODES:
+            raise ValueError(f"unknown finding code {code!r}; expected one of {', '.join(CODES)}")
+        if severity not in SEVERITIES:
+            raise ValueError(f"invalid severity {severity!r}, expected one of {SEVERITIES}")
+        if phase not in PHASES:
+            raise ValueError(f"invalid phase {phase!r}, expected one of {PHASES}")
+        values = {"code": code, "severity": Severity(severity), "module": module, "op": op, "phase": Phase(phase),
+                  "title": title, "explanation": explanation, "evidence": {} if evidence is None else evidence,
+                  "fixes": fixes, "step": step}
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
 
     def to_dict(self) -> dict[str, Any]:
         return _jsonable(
             {
                 "code": self.code,
-                "severity": self.severity,
+                "severity": self.severity.value,
                 "module": self.module,
                 "op": self.op,
-                "phase": self.phase,
+                "phase": self.phase.value,
                 "step": self.step,
                 "title": self.title,
                 "explanation": self.explanation,

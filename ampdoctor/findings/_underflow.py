@@ -127,7 +127,7 @@ def underflow(ctx: Context) -> list[Candidate]:
             "use bfloat16 (smallest normal 1.2e-38: the same exponent range as fp32)", fixes[-1].snippet,
             fixes[-1].id, fixes[-1].params)
         out.append(Candidate(Finding(
-            "underflow", severity, r.module, r.op, r.phase,  # type: ignore[arg-type]
+            "underflow", severity, r.module, r.op, r.phase,
             f"{op_base(r.op)} flushes {frac:.0%} of its values to 0 in {dt} in {r.module or '<root>'}"
             + (f" ({r.phase})" if r.phase != "forward" else ""), expl, ev, tuple(fixes), r.step), r.index))
     return out

@@ -1,25 +1,22 @@
-"""Distributed runs (DDP, FSDP under ``torchrun``): which rank a report comes from, and which rank's op made the
-non-finite values that every rank ends up with.
+"""Distributed runs (DDP, FSDP under ``torchrun``): the raw per-rank facts and the transport between ranks.
 
 Under data parallelism each rank runs the same model on its own batch; the gradient all-reduce (DDP) or
 reduce-scatter (FSDP) mixes the ranks' gradients, so one rank's inf/NaN become every rank's. On a rank whose own
 computation stayed finite, the trace first sees the bad values in a collective's output (``c10d.allreduce_``) or
 in the views DDP copies out of its bucket (``aten.as_strided`` in the optimizer phase): an op that did nothing
 wrong. :func:`received_origins` tells such *received* values apart from values the rank created itself
-(:func:`own_origins`), and :func:`agree` lets the ranks share, with ONE ``all_reduce`` of a small integer tensor
-per diagnosis (no barrier), where each rank's own non-finite values started. A rank that only received them then
-reports the origin on the rank that produced them (the model is the same on every rank, so the module is named by
-its index in ``named_modules()`` and the op by a checksum of its name).
+(:func:`own_origins`); :func:`exchange_rows` shares one small integer row per rank with ONE ``all_reduce`` (no
+barrier). Which finding names a rank's origin, and how a rank that only received the values reports the producing
+rank, is findings logic: :mod:`ampdoctor.findings._ranks`.
 
-Only torch and the op registry are imported. Nothing here runs a collective except :func:`agree`, and
-:func:`agree` only runs for a model wrapped in DDP or FSDP (whose forward already needs every rank to take part).
+Only torch and the op registry are imported. Nothing here runs a collective except :func:`exchange_rows`, which
+``findings._ranks.agree`` calls only for a model wrapped in DDP or FSDP (whose forward already needs every rank).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,14 +30,11 @@ log = logging.getLogger(__name__)
 
 #: op namespaces of collectives, as the trace names ops (``"c10d.allreduce_.default"``)
 COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
-_PHASES = ("forward", "backward", "optimizer", "setup")
+#: the phases as the rows of :func:`exchange_rows` number them
+PHASES = ("forward", "backward", "optimizer", "setup")
 #: namespaces of ops that copy parameters and gradients in and out of collective buffers (FSDP2)
 _BUFFER_NAMESPACES = frozenset({"fsdp"})
 #: finding fields (duck-typed: this layer does not import :mod:`ampdoctor.findings`)
-_FINDING_KEY = ("step", "phase", "module", "op")
-#: codes about the training setup, not about where values turn non-finite
-_SETUP_CODES = frozenset({"unused-parameters", "low-precision-params", "loss-scaling-misuse", "loss-scale-collapse"})
-
 
 def is_collective(op: str) -> bool:
     """``True`` for a collective's op name as the trace records it (``"c10d.allreduce_.default"``)."""
@@ -196,152 +190,10 @@ def own_origins(records: Sequence[Any], origins: Sequence[int]) -> list[int]:
     return out
 
 
-# -------------------------------------------------------------------------------------------- agreement
-@dataclass(frozen=True)
-class RankOrigin:
-    """Where non-finite values started on ``rank``: the finding code that names them and its location."""
-
-    rank: int
-    step: int
-    phase: str
-    module: str
-    op: str
-    code: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "step": self.step, "phase": self.phase, "module": self.module, "op": self.op,
-                "code": self.code}
-
-
-@dataclass(frozen=True)
-class Agreement:
-    """What the ranks agreed on; :func:`agree` returns it.
-
-    ``origins``: one entry per rank whose own computation produced harmful non-finite values, earliest first.
-    ``received``: this rank had non-finite values only from other ranks. ``findings``: this rank's findings
-    without those that blame a local op for received values. ``inserted``: keyword arguments of findings to
-    put first (``Finding(**kw)``), naming the origin on the rank that produced it."""
-
-    info: RankInfo
-    origins: tuple[RankOrigin, ...] = ()
-    received: bool = False
-    received_through: str = ""
-    findings: tuple[Any, ...] = ()
-    inserted: tuple[dict[str, Any], ...] = ()
-    dropped: int = 0
-
-    def summary(self) -> dict[str, Any]:
-        """Keys for :attr:`ampdoctor.Report.summary`."""
-        out: dict[str, Any] = self.info.as_dict()
-        out["nonfinite_ranks"] = sorted({o.rank for o in self.origins})
-        if self.origins:
-            out["nonfinite_origin"] = self.origins[0].as_dict()
-        if self.received:
-            out["nonfinite_received_through"] = self.received_through
-        return out
-
-
-def _crc(op: str) -> int:
-    return zlib.crc32(op.encode()) if op else 0
-
-
-def _finding_key(f: Any) -> tuple[Any, ...]:
-    return tuple(getattr(f, k) for k in _FINDING_KEY)
-
-
-def agree(model: nn.Module, records: Sequence[Any], carried: dict[int, frozenset[int]], harmful: Sequence[int],
-          findings: Sequence[Any], codes: Sequence[str]) -> Agreement | None:
-    """Share each rank's own non-finite origin with the other ranks and rewrite this rank's findings.
-
-    ``records``: the target run's trace records; ``carried``: record index -> origins it carries
-    (:class:`ampdoctor.trace.Lineage`); ``harmful``: indices of the harmful origins; ``findings``: the ranked
-    findings (objects with ``code``, ``severity``, ``step``, ``phase``, ``module``, ``op``); ``codes``: the
-    finding codes (:data:`ampdoctor.CODES`).
-
-    Returns ``None`` (and runs no collective) unless ``model`` is wrapped in DDP/FSDP and the process group is
-    initialized. Otherwise every rank must call it the same number of times: ONE ``all_reduce`` of a
-    ``(world_size, 7)`` int64 tensor, no barrier. Syncs with the host once (the tensor is read back)."""
-    if wrapper_kind(model) is None:
-        return None
-    info = rank_info(model)
-    if info is None:
-        return None
-    local = own_origins(records, harmful)
-    received = set(harmful) - set(local)
-    # a collective's output statistics are read before the (asynchronous) collective completes: never blame it
-    kept: list[Any] = [f for f in findings if not is_collective(f.op)]
-    tainted = _keys_of(records, carried, received)
-    own = _keys_of(records, carried, set(local))
-    names = [n for n, _ in model.named_modules()]
-    index = {n: i for i, n in enumerate(names)}
-
-    row = [0, 0, 0, 0, 0, -1, 0]
-    if local:
-        blame = _blamed_finding(records[min(local)], kept, tainted, own)
-        if blame is not None:
-            step, phase, module, op, code = blame.step, blame.phase, blame.module, blame.op, blame.code
-        else:
-            r = records[min(local)]
-            step, phase, module, op, code = r.step, r.phase, r.module, r.op, "overflow"
-        row = [1, step, _PHASES.index(phase) if phase in _PHASES else 0, index.get(module, -1), _crc(op),
-               codes.index(code) if code in codes else -1, 0]
-    row[6] = 1 if received else 0
-    table = _all_reduce_rows(model, info, row)
-    log.debug("rank %d/%d: own non-finite origin %s; all ranks: %s", info.rank, info.world_size, row, table)
-
-    ops = {_crc(r.op): r.op for r in records}
-    origins = []
-    for rank, (has, step, phase_i, mod, crc, code_i, _) in enumerate(table):
-        if not has:
-            continue
-        origins.append(RankOrigin(rank, step, _PHASES[phase_i], names[mod] if 0 <= mod < len(names) else "",
-                                  ops.get(crc, ""), codes[code_i] if 0 <= code_i < len(codes) else "overflow"))
-    origins.sort(key=lambda o: (o.step, _PHASES.index(o.phase), o.rank))
-
-    through = ""
-    if received:
-        first = records[min(received)]
-        coll = first if is_collective(first.op) else next(
-            (records[i] for i in first.inputs if i >= 0 and is_collective(records[i].op)), None)
-        if coll is None:
-            coll = next((r for r in records if is_collective(r.op) and r.step == first.step
-                         and r.index < first.index), None)
-        through = coll.op if coll is not None else ""
-    only_received = bool(received) and not local
-    inserted = []
-    remote = [o for o in origins if o.rank != info.rank]
-    if only_received and remote:
-        kept = [f for f in kept if not (_finding_key(f) in tainted and _finding_key(f) not in own)]
-        inserted = [_received_finding(remote[0], info, records[min(received)], through, len(origins))]
-    return Agreement(info, tuple(origins), only_received, through, tuple(kept), tuple(inserted),
-                     len(findings) - len(kept))
-
-
-def _blamed_finding(origin: Any, findings: Sequence[Any], tainted: set[tuple[Any, ...]],
-                    own: set[tuple[Any, ...]]) -> Any:
-    """The finding that names this rank's own origin: the one at the origin record, else the first error that is
-    not about received values (``nonfinite-input`` names the batch, not the op that first read it)."""
-    key = (origin.step, origin.phase, origin.module, origin.op)
-    for f in findings:
-        if _finding_key(f) == key:
-            return f
-    for f in findings:
-        k = _finding_key(f)
-        if f.severity == "error" and f.code not in _SETUP_CODES and (k in own or k not in tainted):
-            return f
-    return None
-
-
-def _keys_of(records: Sequence[Any], carried: dict[int, frozenset[int]], origins: set[int]) -> set[tuple[Any, ...]]:
-    keys = set()
-    for i, carry in carried.items():
-        if carry & origins:
-            r = records[i]
-            keys.add((r.step, r.phase, r.module, r.op))
-    return keys
-
-
-def _all_reduce_rows(model: nn.Module, info: RankInfo, row: list[int]) -> list[list[int]]:
+# -------------------------------------------------------------------------------------------- transport
+def exchange_rows(model: nn.Module, info: RankInfo, row: list[int]) -> list[list[int]]:
+    """Every rank's ``row`` (equal lengths), by ONE ``all_reduce`` of a ``(world_size, len(row))`` int64 tensor in
+    ``model``'s process group; every rank must call it. Syncs with the host once (the table is read back)."""
     dist = torch.distributed
     device = torch.device("cpu")
     if "nccl" in info.backend and torch.cuda.is_available():
@@ -352,27 +204,7 @@ def _all_reduce_rows(model: nn.Module, info: RankInfo, row: list[int]) -> list[l
     return t.cpu().tolist()
 
 
-def _received_finding(o: RankOrigin, info: RankInfo, first: Any, through: str, n_ranks: int) -> dict[str, Any]:
-    where = f"{o.module or '<root>'} ({o.op or 'op unknown'}, {o.phase}, step {o.step})"
-    via = through or "a collective"
-    explanation = (
-        f"Rank {o.rank} of {info.world_size} produced the non-finite values: {o.code} in {where}. This rank's own "
-        f"computation stayed finite; the values arrived at step {first.step} ({first.phase}) through {via}, which "
-        f"mixes the ranks' gradients, so every rank ends up with the same inf/NaN. The local op where they first "
-        f"show here ({first.op or 'an untraced buffer'} in {first.module or '<root>'}) did nothing wrong. Read rank "
-        f"{o.rank}'s report (same model, its own batch) for the numbers and the fixes.")
-    if n_ranks > 1:
-        explanation += f" {n_ranks} ranks produced non-finite values of their own; rank {o.rank}'s came first."
-    return {
-        "code": o.code, "severity": "error", "module": o.module, "op": o.op, "phase": o.phase, "step": o.step,
-        "title": f"{o.code} on rank {o.rank} reaches rank {info.rank} through {via}",
-        "explanation": explanation,
-        "evidence": {"origin_rank": o.rank, "rank": info.rank, "world_size": info.world_size, "local": False,
-                     "received_through": via, "received_at": {"op": first.op, "module": first.module,
-                                                              "phase": first.phase, "step": first.step}},
-    }
 
-
-__all__ = ["Agreement", "COLLECTIVE_NAMESPACES", "RankInfo", "RankOrigin", "agree", "copy_limitation",
-           "is_collective", "own_origins", "param_dtypes", "process_group", "rank_info", "received_origins",
-           "resync_after_cast", "wrapper_kind"]
+__all__ = ["COLLECTIVE_NAMESPACES", "PHASES", "RankInfo", "copy_limitation", "exchange_rows", "is_collective",
+           "own_origins", "param_dtypes", "process_group", "rank_info", "received_origins", "resync_after_cast",
+           "wrapper_kind"]

@@ -18,7 +18,8 @@ import pytest
 import torch.distributed as dist
 from torch import nn
 
-from ampdoctor.precision._distributed import agree, is_collective, own_origins, rank_info, received_origins
+from ampdoctor.findings._ranks import agree
+from ampdoctor.precision._distributed import is_collective, own_origins, rank_info, received_origins
 from tests.distributed._workers import FP16_MAX, ddp_overflow_on_rank1, ddp_unused_pooler, launch
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
