@@ -37,7 +37,7 @@ LAYERS: dict[str, int] = {
     "watch": 4,
     "report": 5,
     "integrations": 6,
-    "cli": 7, "": 7,
+    "cli": 7, "_cli_checks": 7, "": 7,
 }
 
 MAX_MODULE_LINES = 500
