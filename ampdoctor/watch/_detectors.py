@@ -171,11 +171,14 @@ def _gradients(e: GradsSeen, s: DetectorState) -> list[Detection]:
     rec.grad_norm = math.sqrt(math.fsum(x * x for x in e.norms)) if not bad else math.inf
     if not rec.nonfinite_params:
         return []
-    owners = sorted({s.owners.get(n, "") or "<root>" for n in rec.nonfinite_params})
+    # backward runs from the loss towards the inputs: the first gradient to turn non-finite belongs to the LAST
+    # affected module in parameter (≈ forward) order, so that one is named first (nearest the origin)
+    owners = list(dict.fromkeys(s.owners.get(n, "") or "<root>" for n in reversed(rec.nonfinite_params)))
     return [Detection(
         "nonfinite-grads", rec,
         f"non-finite gradients at step {rec.step} in {len(rec.nonfinite_params)} parameter(s) "
-        f"(first: {rec.nonfinite_params[0]}; modules: {', '.join(owners[:4])}); an optimizer step now writes "
+        f"(modules nearest the origin first: {', '.join(owners[:4])}; parameters: "
+        f"{', '.join(list(reversed(rec.nonfinite_params))[:4])}); an optimizer step now writes "
         "them into the weights. Replay the reproducer (or use on_anomaly='replay') to find the op where they "
         "start; on_anomaly='skip' drops such steps.")]
 

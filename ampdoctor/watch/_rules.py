@@ -21,7 +21,7 @@ from ampdoctor.watch._record import Coverage, LostUpdates, StepRecord
 
 #: Codes whose finding names the op that produced a bad value (used to attribute a loss-scale collapse).
 ORIGIN_CODES = ("overflow", "underflow", "nan-from-inf", "masked-row-nan", "constant-out-of-range", "saturation",
-                "must-stay-fp32", "nonfinite-input", "fp8-scale", "precision-loss")
+                "must-stay-fp32", "nonfinite-input", "fp8-scale", "precision-loss", "nonfinite-reference")
 
 #: A parameter whose updates were lost at least this often is named in a ``low-precision-params`` finding.
 LOST_NAMED = 0.10

@@ -355,7 +355,7 @@ def test_skip_leaves_parameters_and_adam_state_untouched() -> None:
     f = r.findings[0]                     # located by the in-process replay of step 3 (the default)
     assert (f.code, f.phase, f.module, f.step) == ("nonfinite-input", "forward", "", 0)   # the batch itself
     assert r.summary["anomalies"][0]["kind"] == "nonfinite-grads"
-    assert "first: body.weight" in r.summary["anomalies"][0]["message"]
+    assert "nearest the origin first: head, body" in r.summary["anomalies"][0]["message"]
 
 
 def test_skip_without_locate_names_the_parameters() -> None:
@@ -574,3 +574,22 @@ def test_early_long_collapse_that_recovers_late_is_still_an_error() -> None:
 def test_initial_calibration_is_healthy() -> None:
     r = _scaled_run({0, 1, 2, 3}, 16)                     # GradScaler finding its scale: normal
     assert "loss-scale-collapse" not in r.codes() and r.summary["skipped_steps"] == 4
+
+
+def test_nan_in_fp32_too_is_not_a_precision_problem() -> None:
+    """An fp32 run whose forward overflows fp32 itself: the default replay says nonfinite-reference at the op."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    with torch.no_grad():
+        m[0].weight.fill_(3e38)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with watch(m, opt) as w:
+        for _ in range(3):
+            opt.zero_grad()
+            m(torch.randn(3, 4).abs() + 1).pow(2).mean().backward()
+            opt.step()
+    r = w.report()
+    f = r.findings[0]
+    assert (f.code, f.severity, f.module, f.op, f.phase) == ("nonfinite-reference", "error", "0", "aten.addmm.default",
+                                                           "forward")
+    assert "overflow" not in r.codes()          # the watch's generic hint gives way to the located answer
