@@ -19,6 +19,7 @@ from ampdoctor.findings._common import (
     where,
 )
 from ampdoctor.findings._context import Context, nan_record, reference_nonfinite
+from ampdoctor.findings._poles import flushed_pole_input
 from ampdoctor.findings._registry import RUN_END, SETUP_CRASH, SETUP_CRASHED_COVERAGE, SETUP_INPUT, Candidate, rule
 from ampdoctor.findings._types import Finding, FixProposal
 from ampdoctor.trace import Kind, OpRecord, ops_with
@@ -82,6 +83,8 @@ def overflow(ctx: Context) -> list[Candidate]:
             continue
         if reference_nonfinite(ctx, r):
             continue  # fp32 makes the same inf: nonfinite-reference, not a precision problem
+        if flushed_pole_input(ctx, r) is not None:
+            continue  # log(0) / x / 0 from flushed zeros: an underflow upstream (the underflow rule)
         fmax = limits(r.dtype)[0]
         ref = ctx.ref(r)
         ev = base_evidence(r)

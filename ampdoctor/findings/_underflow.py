@@ -28,7 +28,7 @@ from ampdoctor.findings._graph import (
 )
 from ampdoctor.findings._registry import Candidate, rule
 from ampdoctor.findings._types import Finding, FixProposal
-from ampdoctor.trace import OpRecord
+from ampdoctor.trace import Kind, OpRecord, ops_with
 
 
 def _small_constants(r: OpRecord) -> list[float]:
@@ -50,7 +50,7 @@ def underflow(ctx: Context) -> list[Candidate]:
     out: list[Candidate] = []
     origins = ctx.underflow_origins
     if not origins:
-        return out
+        return _pole_candidates(ctx)
     recs = ctx.records
     harmful_anc: dict[int, set[int]] = {o.record.index: ancestors(ctx, o.record.index)
                                         for o in ctx.harmful_origins()}
@@ -130,5 +130,44 @@ def underflow(ctx: Context) -> list[Candidate]:
             "underflow", severity, r.module, r.op, r.phase,
             f"{op_base(r.op)} flushes {frac:.0%} of its values to 0 in {dt} in {r.module or '<root>'}"
             + (f" ({r.phase})" if r.phase != "forward" else ""), expl, ev, tuple(fixes), r.step), r.index))
+    return out + _pole_candidates(ctx)
+
+
+def _pole_candidates(ctx: Context) -> list[Candidate]:
+    """A harmful inf made by a pole (log, 1/x, rsqrt, x / d) from zeros an upstream op flushed: the underflow there
+    is the root cause, however few values it flushed (``log(softmax(x))``: probabilities below 6e-8 become 0)."""
+    from ampdoctor.findings._poles import flushed_pole_input
+
+    out: list[Candidate] = []
+    for o in ctx.harmful_origins():
+        hit = flushed_pole_input(ctx, o.record)
+        if hit is None:
+            continue
+        src, extra = hit
+        r = o.record
+        dt = dtype_name(src.dtype)
+        ref = ctx.ref(src)
+        ev = base_evidence(src)
+        ev.update({"n_flushed": int(extra), "format_min_subnormal": limits(src.dtype)[2], "pole_op": r.op,
+                   "pole": ctx.describe(r), "n_inf": int(r.stats["n_posinf"] + r.stats["n_neginf"])})
+        if ref is not None:
+            ev["ref_min_nonzero"] = ref.stats.get("min_nonzero")
+        expl = (f"{where(src)} returns exactly 0 for {int(extra)} value(s) that are nonzero in fp32"
+                + (f" (smallest there {fmt(ref.stats['min_nonzero'])})" if ref is not None else "")
+                + f", below {dt}'s smallest subnormal {fmt(limits(src.dtype)[2])}; {where(r)} then maps them to "
+                f"inf ({op_base(r.op)}(0)), and the inf {o.reasons[0]}. The inf is not an overflow: its cause is "
+                "this underflow.")
+        fixes: list[FixProposal] = []
+        if op_base(src.op) in ops_with(Kind.SOFTMAX) and op_base(r.op) in ("log", "log2", "log10"):
+            fixes.append(FixProposal("compute log-probabilities in one op: log_softmax never forms the 0",
+                                     "logp = torch.log_softmax(logits, dim=-1)  # or F.cross_entropy(logits, y)"))
+        fixes.append(FixProposal("keep the value off 0 before the pole, with the dtype's own limit",
+                                 "y = torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))"))
+        if src.module:
+            fixes.append(keep_fp32_fix(src.module))
+        out.append(Candidate(Finding(
+            "underflow", "error", src.module, src.op, src.phase,  # type: ignore[arg-type]
+            f"{op_base(src.op)} flushes values to 0 that {op_base(r.op)} turns into inf in {src.module or '<root>'}",
+            expl, ev, tuple(fixes), src.step), src.index))
     return out
 

@@ -36,6 +36,7 @@ class Kind(enum.Enum):
     NORM_SCALE = "norm_scale"        # turns a norm statistic into the scale (rsqrt, sqrt, reciprocal)
     PERIODIC = "periodic"            # sin / cos: an angle's absolute error becomes the result's error
     UNINITIALISED = "uninitialised"  # allocates memory without writing it (its statistics describe garbage)
+    POLE = "pole"                    # infinite where an input is 0: log(0) = -inf, 1/0, rsqrt(0), x / 0
 
 
 class Reduces(enum.Enum):
@@ -153,8 +154,11 @@ for _n in ("sub", "add", "rsub", "addcmul", "addcdiv", "lerp"):
     declare(_n, K.CANCELLING)
 for _n in ("pow", "mul", "square"):
     declare(_n, K.NORM_STATISTIC)
-for _n in ("rsqrt", "sqrt", "reciprocal"):
-    declare(_n, K.NORM_SCALE)
+declare("sqrt", K.NORM_SCALE)
+for _n in ("rsqrt", "reciprocal"):
+    declare(_n, K.NORM_SCALE, K.POLE)
+for _n in ("log", "log2", "log10", "div", "true_divide"):
+    declare(_n, K.POLE)
 for _n in ("sin", "cos"):
     declare(_n, K.PERIODIC)
 del _n, K
