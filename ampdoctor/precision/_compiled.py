@@ -19,7 +19,7 @@ import torch
 import torch._dynamo
 from torch import nn
 
-from ampdoctor.precision._step import LOW_DTYPES, _precision_context, call_model, cast_batch, device_of
+from ampdoctor.precision._contexts import LOW_DTYPES, _precision_context, call_model, cast_batch, device_of
 from ampdoctor.trace import iter_tensors
 
 log = logging.getLogger(__name__)

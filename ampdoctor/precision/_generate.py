@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from ampdoctor.errors import DiagnosisError
+from ampdoctor.precision._contexts import LOW_DTYPES, _gemm_context, _NoAutocast, _precision_context, device_of
 from ampdoctor.precision._runner import RunResult
 from ampdoctor.precision._spec import ScenarioError
-from ampdoctor.precision._step import LOW_DTYPES, _gemm_context, _NoAutocast, _precision_context, device_of
 from ampdoctor.trace import Trace, TraceResult, iter_tensors
 
 log = logging.getLogger(__name__)

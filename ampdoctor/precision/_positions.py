@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.precision._step import (
+from ampdoctor.precision._contexts import (
     LOW_DTYPES,
     _gemm_context,
     _NoAutocast,
