@@ -350,7 +350,7 @@ def _fix_table(report: Any, steps: int) -> Any:
     from rich.table import Table
     from rich.text import Text
 
-    from ampdoctor.fixes import before_after_table
+    from ampdoctor.report.fix_table import before_after_table
 
     table = Table(title=f"fixes, verified over {steps} training steps against fp32", title_justify="left")
     for col in ("fix", "verified", "loss fp32", "loss broken", "loss fixed", "max rel err (step 1)",

@@ -12,9 +12,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ampdoctor.findings import FixProposal, Report
-from ampdoctor.fixes import TOLERANCES, Verification, before_after_table, diagnose_and_fix, fix, verify
+from ampdoctor.fixes import TOLERANCES, Verification, diagnose_and_fix, fix, verify
 from ampdoctor.fixes._tolerance import FACTOR, compute_dtype, curve_err, grad_errors, output_err, rel_err
 from ampdoctor.precision import make_spec
+from ampdoctor.report.fix_table import before_after_table
 
 K = 20
 
