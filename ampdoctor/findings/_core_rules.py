@@ -81,10 +81,8 @@ def overflow(ctx: Context) -> list[Candidate]:
         n_inf = int(s["n_posinf"] + s["n_neginf"])
         if o.deliberate or r.kind != "op" or n_inf == 0 or _out_of_range_constant(ctx, r) is not None:
             continue
-        if reference_nonfinite(ctx, r):
-            continue  # fp32 makes the same inf: nonfinite-reference, not a precision problem
-        if flushed_pole_input(ctx, r) is not None:
-            continue  # log(0) / x / 0 from flushed zeros: an underflow upstream (the underflow rule)
+        if reference_nonfinite(ctx, r) or flushed_pole_input(ctx, r) is not None:
+            continue  # fp32 makes it too (nonfinite-reference), or log(0) of flushed zeros (underflow upstream)
         fmax = limits(r.dtype)[0]
         ref = ctx.ref(r)
         ev = base_evidence(r)
