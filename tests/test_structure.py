@@ -56,10 +56,7 @@ BIG_MODULES_ALLOWED: dict[str, str] = {
 LONG_ALLOWED: dict[str, str] = {
     "findings/_fp32_rules.py:_declared": "core (issue 12.3)",
     "findings/_fp32_rules.py:_rope": "core (issue 12.3)",
-    "findings/_precision_loss.py:precision_loss": "core (issue 12.3)",
-    "findings/_saturation.py:saturation": "core (issue 12.3)",
     "findings/_training_rules.py:low_precision_params": "core (issue 12.3)",
-    "findings/_underflow.py:underflow": "core (issue 12.3)",
     "fixes/_verify.py:run_curve": "runner-fixes (issue 12.1)",
     "fixes/_verify.py:_verify_plan": "runner-fixes (issue 12.1)",
     "precision/_runner.py:run": "runner-fixes (issue 12.1)",

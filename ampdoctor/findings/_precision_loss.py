@@ -49,6 +49,11 @@ def precision_loss(ctx: Context) -> list[Candidate]:
     more than 1% and no inf/NaN explains it. At most five ops, the largest own errors. A NaN made from finite
     inputs where the reference is finite (``sqrt`` of a variance that cancellation made negative) is an ``error``
     reported at the cancelling op."""
+    return _cancellation_findings(ctx) + _lost_accuracy_findings(ctx)
+
+
+def _cancellation_findings(ctx: Context) -> list[Candidate]:
+    """A NaN made from finite inputs where fp32 is finite, reported at the cancelling op upstream (an error)."""
     out: list[Candidate] = []
     for o, cancel in ctx.cancellation_nan_origins:
         r = o.record
@@ -88,6 +93,12 @@ def precision_loss(ctx: Context) -> list[Candidate]:
             "precision-loss", "error", at.module, at.op, at.phase,
             f"catastrophic cancellation in {at.module or '<root>'} turns into NaN", expl, ev, tuple(fixes), at.step),
             at.index))
+    return out
+
+
+def _lost_accuracy_findings(ctx: Context) -> list[Candidate]:
+    """The ops whose own error exceeds their tolerance: at most five, one per (module, op, phase)."""
+    out: list[Candidate] = []
     flagged = ctx.precision_loss_records
     # one finding per (module, op, phase), the largest own error; at most 5, the largest
     best: dict[tuple[str, str, str], tuple[OpRecord, float, float, float, int, float]] = {}
@@ -132,22 +143,26 @@ def precision_loss(ctx: Context) -> list[Candidate]:
             expl += (f" Its inputs hold {sub_in} subnormal value(s) (below {fmt(limits(r.dtype)[1])}, where {dt} keeps "
                      "fewer significant bits)" + ("; loss scaling lifts backward values out of that range."
                                                   if r.phase == "backward" else "."))
-        fixes = [keep_fp32_fix(r.module)] if r.module else []
-        if sub_in and r.phase == "backward":
-            fixes.insert(0, FixProposal(
-                "use dynamic loss scaling so the gradients stay in the normal range",
-                "scaler = torch.amp.GradScaler()\nscaler.scale(loss).backward()", id="grad_scaler", params={}))
-        if cancelling:
-            fixes.append(FixProposal("remove the large common offset before the low-precision part (center or "
-                                     "normalize the inputs in float32)", "x = (x.float() - x.float().mean(-1, "
-                                     "keepdim=True)).to(x.dtype)"))
-        if dt == "bfloat16":
-            fixes.append(FixProposal("use float16 with loss scaling for this part: 3 more mantissa bits "
-                                     "(u = 2**-11 instead of 2**-8)", id="switch_precision",
-                                     params={"precision": "fp16-amp"}))
         out.append(Candidate(Finding(
             "precision-loss", severity, r.module, r.op, r.phase,
-            f"{op_base(r.op)} loses {own:.1%} accuracy in {dt} in {r.module or '<root>'}", expl, ev, tuple(fixes),
-            r.step), r.index))
+            f"{op_base(r.op)} loses {own:.1%} accuracy in {dt} in {r.module or '<root>'}", expl, ev,
+            _fixes(r, bool(sub_in), bool(cancelling)), r.step), r.index))
     return out
 
+
+def _fixes(r: OpRecord, subnormal_inputs: bool, cancelling: bool) -> tuple[FixProposal, ...]:
+    """Loss scaling for subnormal backward inputs, fp32 for the module, removing an offset, fp16 over bf16."""
+    fixes = [keep_fp32_fix(r.module)] if r.module else []
+    if subnormal_inputs and r.phase == "backward":
+        fixes.insert(0, FixProposal(
+            "use dynamic loss scaling so the gradients stay in the normal range",
+            "scaler = torch.amp.GradScaler()\nscaler.scale(loss).backward()", id="grad_scaler", params={}))
+    if cancelling:
+        fixes.append(FixProposal("remove the large common offset before the low-precision part (center or "
+                                 "normalize the inputs in float32)", "x = (x.float() - x.float().mean(-1, "
+                                 "keepdim=True)).to(x.dtype)"))
+    if dtype_name(r.dtype) == "bfloat16":
+        fixes.append(FixProposal("use float16 with loss scaling for this part: 3 more mantissa bits "
+                                 "(u = 2**-11 instead of 2**-8)", id="switch_precision",
+                                 params={"precision": "fp16-amp"}))
+    return tuple(fixes)

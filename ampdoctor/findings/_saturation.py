@@ -6,6 +6,8 @@ The comparison with the fp32 reference is ``ctx.saturated`` (``findings/_analysi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -67,80 +69,112 @@ def saturation(ctx: Context) -> list[Candidate]:
     zero fraction of the upstream parameters."""
     out: list[Candidate] = []
     for r, ref, ft, fr in ctx.saturated:
-        base = op_base(r.op)
-        recs = ctx.records
-        inp = next((recs[i] for i in r.inputs if i >= 0), None)
-        ref_in = ctx.ref(inp) if inp is not None else None
-        thr = saturation_threshold(base, r.dtype)
-        ev = base_evidence(r)
-        ev.update({
-            "fraction_at_limit": ft, "ref_fraction_at_limit": fr, "n_at_limit": int(r.stats["n_at_limit"]),
-            "ref_n_at_limit": int(ref.stats["n_at_limit"]), "bound": BOUNDS[base].text,
-            "spacing_below_1": spacing_below_one(r.dtype), "saturation_threshold": thr,
-        })
-        if inp is not None:
-            ev["input_absmax"] = inp.stats.get("absmax")
-            ev["input_module"] = inp.module
-        if ref_in is not None:
-            ev["ref_input_absmax"] = ref_in.stats.get("absmax")
-        bwd = _backward_of(ctx, r)
-        bwd_zero = None
-        if bwd is not None:
-            bref = ctx.ref(bwd)
-            n = max(bwd.stats.get("numel", 0), 1)
-            bwd_zero = bwd.stats.get("n_zero", 0) / n
-            ev["grad_zero_fraction"] = bwd_zero
-            ev["backward_op"] = bwd.op
-            if bref is not None:
-                ev["ref_grad_zero_fraction"] = bref.stats.get("n_zero", 0) / n
-        upstream = {recs[i].name for i in ancestors(ctx, r.index) if recs[i].kind == "param" and recs[i].name}
-        dead = dead_gradients(ctx, r.step, upstream) if upstream else {}
-        zt, zr = zero_fraction(ctx, r.step, upstream) if upstream else (None, None)
-        if zt is not None:
-            ev["upstream_grad_zero_fraction"] = zt
-            ev["ref_upstream_grad_zero_fraction"] = zr
-            ev["upstream_parameters"] = len(upstream)
-        if dead:
-            ev["dead_parameters"] = sorted(dead)[:20]
-            ev["n_dead_parameters"] = len(dead)
-        if not dead and (bwd_zero is None or bwd_zero < 0.5) and ft < 0.5:
+        facts = _facts(ctx, r, ref, ft, fr)
+        if not facts.dead and (facts.bwd_zero is None or facts.bwd_zero < 0.5) and ft < 0.5:
             continue  # a few saturated entries whose gradient still flows elsewhere (GELU-tanh's x path)
-        severity = "error" if dead else "warning"
-        dt = dtype_name(r.dtype)
-        in_txt = ""
-        if inp is not None:
-            in_txt = (f" Its input (from {inp.module or '<root>'}) reaches |x| = {fmt(inp.stats['absmax'])}"
-                      + (f" (reference {fmt(ref_in.stats['absmax'])})" if ref_in is not None else "")
-                      + f"; in {dt} every |x| >= {thr:.4g} gives exactly {BOUNDS[base].text}.")
-        expl = (f"{where(r)} returns exactly {BOUNDS[base].text} for {ft:.1%} of its outputs in {dt} "
-                f"(fp32 reference: {fr:.1%}): {dt} has no value between 1 - {fmt(spacing_below_one(r.dtype))} "
-                f"and 1.{in_txt}")
-        if bwd is not None and bwd_zero is not None:
-            expl += (f" Its backward {op_base(bwd.op)} is exactly 0 for {bwd_zero:.1%} of the elements; loss scaling "
-                     "cannot bring a 0 back.")
-        if dead:
-            expl += (f" {len(dead)} of the {len(upstream)} parameters feeding it get an all-zero gradient in {dt} and "
-                     "not in fp32: everything below this layer stops learning, with no inf/NaN and no skipped step.")
-        elif zt is not None and zr is not None:
-            expl += f" Upstream gradients exactly zero: {zt:.1%} (reference {zr:.1%})."
-        producer = inp.module if inp is not None and inp.module and inp.module != r.module else ""
-        mods = [m for m in (producer, r.module) if m]
-        fixes: list[FixProposal] = []
-        if mods:
-            f = keep_fp32_fix(r.module or producer)
-            fixes.append(FixProposal(
-                f"compute {' and '.join(f'`{m}`' for m in mods)} in float32 (autocast disabled, input upcast): "
-                "fp32 resolves 1 - y**2 down to ~1e-7", f.snippet, f.id, {"modules": mods}))
-        fixes.append(FixProposal(
-            "keep the pre-activations out of the flat region: normalize the input (LayerNorm before the activation), "
-            "lower the learning rate / apply weight decay to the bias that drifted",
-            "h = torch.tanh(layer_norm(dense(x)))"))
-        fixes.append(FixProposal(
-            "bfloat16 does not help here: its spacing below 1 is 2**-8, coarser than fp16's 2**-11"))
+        base, dt = op_base(r.op), dtype_name(r.dtype)
         out.append(Candidate(Finding(
-            "saturation", severity, r.module, r.op, r.phase,
+            "saturation", "error" if facts.dead else "warning", r.module, r.op, r.phase,
             f"{base} saturates to {BOUNDS[base].text} in {dt} in {r.module or '<root>'}"
-            + (": gradients below it are exactly zero" if dead else ""),
-            expl, ev, tuple(fixes), r.step), r.index))
+            + (": gradients below it are exactly zero" if facts.dead else ""),
+            _explanation(facts), facts.evidence, _fixes(facts), r.step), r.index))
     return out
 
+
+@dataclass(frozen=True)
+class _Saturated:
+    """What one saturated record tells: the record, its input, its backward op and the upstream parameters."""
+
+    r: OpRecord
+    ft: float
+    fr: float
+    inp: OpRecord | None
+    ref_in: OpRecord | None
+    bwd: OpRecord | None
+    bwd_zero: float | None
+    upstream: set[str]
+    dead: dict[str, tuple[float, float]]
+    zt: float | None
+    zr: float | None
+    evidence: dict[str, Any]
+
+
+def _facts(ctx: Context, r: OpRecord, ref: OpRecord, ft: float, fr: float) -> _Saturated:
+    base = op_base(r.op)
+    recs = ctx.records
+    inp = next((recs[i] for i in r.inputs if i >= 0), None)
+    ref_in = ctx.ref(inp) if inp is not None else None
+    ev = base_evidence(r)
+    ev.update({
+        "fraction_at_limit": ft, "ref_fraction_at_limit": fr, "n_at_limit": int(r.stats["n_at_limit"]),
+        "ref_n_at_limit": int(ref.stats["n_at_limit"]), "bound": BOUNDS[base].text,
+        "spacing_below_1": spacing_below_one(r.dtype), "saturation_threshold": saturation_threshold(base, r.dtype),
+    })
+    if inp is not None:
+        ev["input_absmax"] = inp.stats.get("absmax")
+        ev["input_module"] = inp.module
+    if ref_in is not None:
+        ev["ref_input_absmax"] = ref_in.stats.get("absmax")
+    bwd = _backward_of(ctx, r)
+    bwd_zero = None
+    if bwd is not None:
+        bref = ctx.ref(bwd)
+        n = max(bwd.stats.get("numel", 0), 1)
+        bwd_zero = bwd.stats.get("n_zero", 0) / n
+        ev["grad_zero_fraction"] = bwd_zero
+        ev["backward_op"] = bwd.op
+        if bref is not None:
+            ev["ref_grad_zero_fraction"] = bref.stats.get("n_zero", 0) / n
+    upstream = {recs[i].name for i in ancestors(ctx, r.index) if recs[i].kind == "param" and recs[i].name}
+    dead = dead_gradients(ctx, r.step, upstream) if upstream else {}
+    zt, zr = zero_fraction(ctx, r.step, upstream) if upstream else (None, None)
+    if zt is not None:
+        ev["upstream_grad_zero_fraction"] = zt
+        ev["ref_upstream_grad_zero_fraction"] = zr
+        ev["upstream_parameters"] = len(upstream)
+    if dead:
+        ev["dead_parameters"] = sorted(dead)[:20]
+        ev["n_dead_parameters"] = len(dead)
+    return _Saturated(r, ft, fr, inp, ref_in, bwd, bwd_zero, upstream, dead, zt, zr, ev)
+
+
+def _explanation(s: _Saturated) -> str:
+    r, inp, ref_in = s.r, s.inp, s.ref_in
+    base, dt = op_base(r.op), dtype_name(r.dtype)
+    in_txt = ""
+    if inp is not None:
+        in_txt = (f" Its input (from {inp.module or '<root>'}) reaches |x| = {fmt(inp.stats['absmax'])}"
+                  + (f" (reference {fmt(ref_in.stats['absmax'])})" if ref_in is not None else "")
+                  + f"; in {dt} every |x| >= {saturation_threshold(base, r.dtype):.4g} gives exactly "
+                  f"{BOUNDS[base].text}.")
+    expl = (f"{where(r)} returns exactly {BOUNDS[base].text} for {s.ft:.1%} of its outputs in {dt} "
+            f"(fp32 reference: {s.fr:.1%}): {dt} has no value between 1 - {fmt(spacing_below_one(r.dtype))} "
+            f"and 1.{in_txt}")
+    if s.bwd is not None and s.bwd_zero is not None:
+        expl += (f" Its backward {op_base(s.bwd.op)} is exactly 0 for {s.bwd_zero:.1%} of the elements; loss scaling "
+                 "cannot bring a 0 back.")
+    if s.dead:
+        expl += (f" {len(s.dead)} of the {len(s.upstream)} parameters feeding it get an all-zero gradient in {dt} and "
+                 "not in fp32: everything below this layer stops learning, with no inf/NaN and no skipped step.")
+    elif s.zt is not None and s.zr is not None:
+        expl += f" Upstream gradients exactly zero: {s.zt:.1%} (reference {s.zr:.1%})."
+    return expl
+
+
+def _fixes(s: _Saturated) -> tuple[FixProposal, ...]:
+    r, inp = s.r, s.inp
+    producer = inp.module if inp is not None and inp.module and inp.module != r.module else ""
+    mods = [m for m in (producer, r.module) if m]
+    fixes: list[FixProposal] = []
+    if mods:
+        f = keep_fp32_fix(r.module or producer)
+        fixes.append(FixProposal(
+            f"compute {' and '.join(f'`{m}`' for m in mods)} in float32 (autocast disabled, input upcast): "
+            "fp32 resolves 1 - y**2 down to ~1e-7", f.snippet, f.id, {"modules": mods}))
+    fixes.append(FixProposal(
+        "keep the pre-activations out of the flat region: normalize the input (LayerNorm before the activation), "
+        "lower the learning rate / apply weight decay to the bias that drifted",
+        "h = torch.tanh(layer_norm(dense(x)))"))
+    fixes.append(FixProposal(
+        "bfloat16 does not help here: its spacing below 1 is 2**-8, coarser than fp16's 2**-11"))
+    return tuple(fixes)

@@ -31,6 +31,20 @@ from ampdoctor.findings._types import Finding, FixProposal
 from ampdoctor.trace import Kind, OpRecord, ops_with
 
 
+def _zeroes_loss(ctx: Context, r: OpRecord, loss_idx: set[int]) -> bool:
+    """The loss is (an alias of) the flushed record, or the target's first loss is 0 where fp32's is not."""
+    down = alias_closure(ctx, [r.index])
+    return bool(any(i in loss_idx for i in down) or (
+        ctx.target.losses and ctx.reference is not None and ctx.reference.losses
+        and ctx.target.losses[0] == 0.0 and ctx.reference.losses[0] not in (0.0, None)))
+
+
+def _constants_nearby(recs: list[OpRecord], r: OpRecord) -> list[float]:
+    """Literals below the flush threshold in the 40 records from ``r`` on, in its module and step."""
+    return [c for i in range(r.index, min(r.index + 40, len(recs))) for c in _small_constants(recs[i])
+            if recs[i].module == r.module and recs[i].step == r.step]
+
+
 def _small_constants(r: OpRecord) -> list[float]:
     floor = limits(r.dtype)[2]
     return [v for v in r.scalars if v != 0 and math.isfinite(v) and abs(v) < floor / 2]
@@ -76,12 +90,8 @@ def underflow(ctx: Context) -> list[Candidate]:
         dead = dead_gradients(ctx, r.step, gradient_params(ctx, descendants(ctx, r.index))) if r.phase in (
             "forward", "backward") else {}
         feeds = sorted(o for o, anc in harmful_anc.items() if r.index in anc)
-        down = alias_closure(ctx, [r.index])
-        loss_zero = any(i in loss_idx for i in down) or (
-            ctx.target.losses and ctx.reference is not None and ctx.reference.losses
-            and ctx.target.losses[0] == 0.0 and ctx.reference.losses[0] not in (0.0, None))
-        consts = [c for i in range(r.index, min(r.index + 40, len(recs))) for c in _small_constants(recs[i])
-                  if recs[i].module == r.module and recs[i].step == r.step]
+        loss_zero = _zeroes_loss(ctx, r, loss_idx)
+        consts = _constants_nearby(recs, r)
         if dead:
             ev["dead_parameters"] = sorted(dead)[:20]
             ev["n_dead_parameters"] = len(dead)
@@ -94,42 +104,11 @@ def underflow(ctx: Context) -> list[Candidate]:
                 f"the reference values reach only |max| {fmt(cmp['absmax'])} (smallest nonzero "
                 f"{fmt(cmp['min_nonzero'])}), below {dt}'s smallest subnormal {fmt(floor)}"
                 + (f" (smallest normal {fmt(limits(r.dtype)[1])})" if is_low(r.dtype) else "") + ".")
-        if sub_in:
-            x = sub_in[0]
-            expl += (f" Its input from {x.op} in {x.module or '<root>'} was already on the subnormal floor "
-                     f"({int(x.stats['n_subnormal'])} of {int(x.stats['numel'])} values subnormal, |max| "
-                     f"{fmt(x.stats['absmax'])}).")
-        if consts:
-            expl += (f" The constant(s) {', '.join(f'{c:g}' for c in sorted(set(consts)))} used here round to 0 in "
-                     f"{dt}.")
-        if dead:
-            expl += (f" {len(dead)} parameter(s) get an all-zero gradient in {dt} and not in fp32 "
-                     f"({', '.join(sorted(dead)[:4])}{', ...' if len(dead) > 4 else ''}): they stop learning.")
-        if feeds:
-            f0 = recs[feeds[0]]
-            expl += f" These zeros feed the inf/NaN made by {where(f0)} (a division by zero)."
-        if loss_zero:
-            expl += " The loss itself is 0."
-        fixes: list[FixProposal] = []
-        if r.phase in ("backward",):
-            fixes.append(FixProposal(
-                "use dynamic loss scaling: the scaled gradients stay above the subnormal floor",
-                "scaler = torch.amp.GradScaler()\nscaler.scale(loss).backward()\nscaler.step(optimizer)\n"
-                "scaler.update()", id="grad_scaler", params={}))
-        if r.phase == "optimizer":
-            fixes.append(FixProposal(
-                "keep fp32 master weights and optimizer state (the update math then runs in fp32)",
-                "model.float()  # + torch.autocast for the forward", id="fp32_master", params={}))
-        if r.module and r.phase == "forward":
-            fixes.append(keep_fp32_fix(r.module))
-        fixes.append(bf16_fix(ctx.spec.precision))
-        fixes[-1] = FixProposal(
-            "use bfloat16 (smallest normal 1.2e-38: the same exponent range as fp32)", fixes[-1].snippet,
-            fixes[-1].id, fixes[-1].params)
+        expl += _consequences(dt, sub_in, consts, dead, [recs[i] for i in feeds], loss_zero)
         out.append(Candidate(Finding(
             "underflow", severity, r.module, r.op, r.phase,
             f"{op_base(r.op)} flushes {frac:.0%} of its values to 0 in {dt} in {r.module or '<root>'}"
-            + (f" ({r.phase})" if r.phase != "forward" else ""), expl, ev, tuple(fixes), r.step), r.index))
+            + (f" ({r.phase})" if r.phase != "forward" else ""), expl, ev, _fixes(ctx, r), r.step), r.index))
     return out + _pole_candidates(ctx)
 
 
@@ -166,8 +145,50 @@ def _pole_candidates(ctx: Context) -> list[Candidate]:
         if src.module:
             fixes.append(keep_fp32_fix(src.module))
         out.append(Candidate(Finding(
-            "underflow", "error", src.module, src.op, src.phase,  # type: ignore[arg-type]
+            "underflow", "error", src.module, src.op, src.phase,
             f"{op_base(src.op)} flushes values to 0 that {op_base(r.op)} turns into inf in {src.module or '<root>'}",
             expl, ev, tuple(fixes), src.step), src.index))
     return out
+
+
+def _consequences(dt: str, sub_in: list[OpRecord], consts: list[float], dead: dict[str, tuple[float, float]],
+                  feeds: list[OpRecord], loss_zero: bool) -> str:
+    """The explanation's second half: the subnormal input, small constants, dead gradients, what the zeros feed."""
+    expl = ""
+    if sub_in:
+        x = sub_in[0]
+        expl += (f" Its input from {x.op} in {x.module or '<root>'} was already on the subnormal floor "
+                 f"({int(x.stats['n_subnormal'])} of {int(x.stats['numel'])} values subnormal, |max| "
+                 f"{fmt(x.stats['absmax'])}).")
+    if consts:
+        expl += (f" The constant(s) {', '.join(f'{c:g}' for c in sorted(set(consts)))} used here round to 0 in "
+                 f"{dt}.")
+    if dead:
+        expl += (f" {len(dead)} parameter(s) get an all-zero gradient in {dt} and not in fp32 "
+                 f"({', '.join(sorted(dead)[:4])}{', ...' if len(dead) > 4 else ''}): they stop learning.")
+    if feeds:
+        expl += f" These zeros feed the inf/NaN made by {where(feeds[0])} (a division by zero)."
+    if loss_zero:
+        expl += " The loss itself is 0."
+    return expl
+
+
+def _fixes(ctx: Context, r: OpRecord) -> tuple[FixProposal, ...]:
+    """Loss scaling for a backward underflow, fp32 master weights for an optimizer one, fp32 for the module, bf16."""
+    fixes: list[FixProposal] = []
+    if r.phase in ("backward",):
+        fixes.append(FixProposal(
+            "use dynamic loss scaling: the scaled gradients stay above the subnormal floor",
+            "scaler = torch.amp.GradScaler()\nscaler.scale(loss).backward()\nscaler.step(optimizer)\n"
+            "scaler.update()", id="grad_scaler", params={}))
+    if r.phase == "optimizer":
+        fixes.append(FixProposal(
+            "keep fp32 master weights and optimizer state (the update math then runs in fp32)",
+            "model.float()  # + torch.autocast for the forward", id="fp32_master", params={}))
+    if r.module and r.phase == "forward":
+        fixes.append(keep_fp32_fix(r.module))
+    bf16 = bf16_fix(ctx.spec.precision)
+    fixes.append(FixProposal("use bfloat16 (smallest normal 1.2e-38: the same exponent range as fp32)", bf16.snippet,
+                             bf16.id, bf16.params))
+    return tuple(fixes)
 
