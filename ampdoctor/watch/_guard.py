@@ -128,6 +128,15 @@ class Watch:
         if self._health.working:
             self._tracker.note_call(tuple(args), dict(kwargs), rng)
 
+    def replay_with(self, train_step: Any) -> None:
+        """Replay an anomalous step with ``train_step(model, batch, optimizer=..., scaler=...)`` (as
+        :func:`ampdoctor.diagnose` calls it: forward, backward and update on the replay's copies) instead of calling
+        the root module with the recorded inputs; for frameworks whose step is not the root's forward (Lightning's
+        ``training_step``, a Trainer's ``compute_loss``)."""
+        if train_step is not None and not callable(train_step):
+            raise TypeError(f"train_step must be callable as train_step(model, batch), got {train_step!r}")
+        self._policy.train_step = train_step
+
     def add_scalar_sink(self, fn: ScalarSink) -> None:
         """Also send the watch's scalars (``ampdoctor/loss``, ``ampdoctor/loss_scale``, ``ampdoctor/grad_norm``)
         to ``fn(tag, value, step)`` (a framework's logger); a sink that raises is dropped with one warning."""

@@ -58,6 +58,9 @@ class AnomalyPolicy:
         self.replay_note: str | None = None
         self.skipped_by_guard = 0
         self.deferred: AnomalyError | None = None
+        #: how the in-process replay runs the step (``train_step(model, batch, optimizer=, scaler=)`` of
+        #: :func:`ampdoctor.diagnose`); None: the root module is called with the recorded inputs
+        self.train_step: Callable[..., Any] | None = None
         self._writer_broken = False
 
     @property
@@ -125,7 +128,8 @@ class AnomalyPolicy:
     def _replay(self, payload: dict[str, Any], path: str | None) -> None:
         try:
             with torch.enable_grad():   # may run inside optimizer.step(), which disables grad
-                report = _reproducer.replay_payload(payload, self._copy_model, origin=path or "")
+                report = _reproducer.replay_payload(payload, self._copy_model, origin=path or "",
+                                                     train_step=self.train_step)
         except Exception as exc:  # noqa: BLE001 - a failed replay must not stop training
             self.replay_error = f"{type(exc).__name__}: {exc}"
             log.warning("ampdoctor.watch: replaying step %d failed (%s); the watch goes on", payload["step"],

@@ -66,3 +66,31 @@ def test_accelerated_optimizer_with_grad_scaler_reports_skipped_steps() -> None:
     assert (f.evidence["first_skipped_step"], f.evidence["consecutive_skipped"], f.severity) == (4, 4, "error")
     assert f.evidence["scales"] == [65536.0, 32768.0, 16384.0, 8192.0]
     assert [opt.step_was_skipped] == [True]
+
+
+@pytest.mark.parametrize("scale", [3e4, 1.0])
+def test_accelerate_default_replay_names_module_and_op(scale: float) -> None:
+    """fp16 weights under accelerate: the default policy replays the unwrapped model's recorded forward and names
+    the Linear whose fp16 output overflows, and the op; the unscaled twin stays clean."""
+    torch.manual_seed(0)
+    acc = accelerate.Accelerator(cpu=True)
+    model = Net()
+    with torch.no_grad():
+        model.body.weight.mul_(scale)        # x ~ 50: body's outputs reach ~1e6, past fp16's 65504
+    model, opt = acc.prepare(model.half(), torch.optim.SGD(model.parameters(), lr=1e-3))
+    g = torch.Generator().manual_seed(1)
+    with watch_accelerator(acc, model, opt) as w:
+        for _ in range(2):
+            loss = model((torch.randn(4, 8, generator=g) * 50).half()).float().pow(2).mean()
+            acc.backward(loss)
+            w.step(loss)
+            opt.step()
+            opt.zero_grad()
+    r = w.report()
+    if scale == 1.0:
+        assert "replay" not in r.summary and not any(f.code == "overflow" for f in r.findings)
+        return
+    assert "replay" in r.summary
+    first = r.findings[0]
+    assert (first.code, first.module, first.op, first.phase) == ("overflow", "body", "aten.addmm.default",
+                                                                 "forward"), r.findings

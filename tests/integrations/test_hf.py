@@ -106,3 +106,25 @@ def test_findings_reach_log_history_and_raise_stops_the_trainer(tmp_path) -> Non
     assert hist[-1]["ampdoctor/verdict"] == "error" and hist[-1]["ampdoctor/findings"]
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())   # the NaN never landed
     assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+def test_trainer_fp16_weights_default_replay_names_module_and_op(tmp_path) -> None:
+    """model.half() under the Trainer on CPU: the default policy replays the Trainer's own inputs (recorded by the
+    root's forward pre-hook) and names the Linear whose fp16 output overflows, and the op."""
+
+    def run(scale: float, out: str) -> AmpDoctorCallback:
+        model = tiny_bert(plant_unused=False)
+        with torch.no_grad():
+            model.bert.encoder.layer[0].intermediate.dense.weight.normal_(0, 0.02 * scale)
+        cb = AmpDoctorCallback()
+        fit(tmp_path / out, model.half(), [cb])
+        return cb
+
+    r = run(5e5, "bad").report           # weights ~1e4 (fp16-representable), outputs past 65504
+    assert r.precision == "fp16" and "replay" in r.summary
+    first = r.findings[0]
+    assert (first.code, first.module, first.phase) == ("overflow", "bert.encoder.layer.0.intermediate.dense",
+                                                       "forward"), r.findings
+    assert first.op in ("aten.addmm.default", "aten.mm.default", "aten.linear.default")
+    twin = run(1.0, "ok").report
+    assert "replay" not in twin.summary and not any(f.code == "overflow" for f in twin.findings)

@@ -101,3 +101,52 @@ def test_lightning_grad_scaler_skipped_steps_are_seen() -> None:
     assert (f.severity, f.evidence["first_skipped_step"], f.evidence["ongoing"]) == ("error", 2, True)
     assert f.evidence["scales"][:3] == [65536.0, 32768.0, 16384.0]
     assert r.precision == "fp16-amp"
+
+
+class OnlyTrainingStep(L.LightningModule):
+    """No forward: the step lives in training_step (the replay must call it, not the root module)."""
+
+    def __init__(self, scale: float, manual: bool = False) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(8, 16)
+        self.blow = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 1)
+        self.automatic_optimization = not manual
+        with torch.no_grad():
+            self.blow.weight.mul_(scale)       # x ~ 50: blow's outputs reach ~1e6, past fp16's 65504
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        loss = self.head(torch.relu(self.blow(torch.relu(self.encoder(x))))).float().pow(2).mean()
+        self.log("train_loss", loss)
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_lightning_replay_of_training_step_names_module_and_op(manual: bool) -> None:
+    """16-true on CPU: the model runs in half; the default policy replays training_step on a copy."""
+
+    def run(scale: float) -> AmpDoctorCallback:
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(8, 8, generator=g) * 50)
+        cb = AmpDoctorCallback()
+        L.Trainer(max_steps=1, accelerator="cpu", precision="16-true", logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, callbacks=[cb]).fit(
+            OnlyTrainingStep(scale, manual), torch.utils.data.DataLoader(data, batch_size=4))
+        return cb
+
+    r = run(3e4).report
+    assert r.summary["replay"]["summary"]["replay"]["step"] == 0
+    first = r.findings[0]
+    assert (first.code, first.module, first.op, first.phase) == ("overflow", "blow", "aten.addmm.default", "forward")
+    twin = run(1.0).report
+    assert "replay" not in twin.summary and not any(f.code == "overflow" for f in twin.findings)
