@@ -274,3 +274,38 @@ def _diagnose_error(model: nn.Module, x: torch.Tensor) -> dict[str, str]:
         return {"type": type(e).__name__, "is_scenario_error": str(isinstance(e, ampdoctor.precision.ScenarioError)),
                 "message": str(e)}
     return {"type": "", "is_scenario_error": "False", "message": ""}
+
+
+def ddp_watch_nan_loss_on_rank1(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """Three DDP steps under ``ampdoctor.watch`` per policy (the default, then ``"replay"``), the loss NaN on rank 1
+    only at step 1 (a NaN term outside the model: the gradients, and so DDP's all-reduce, stay finite). Rank 1
+    alone handles the anomaly and replays; were the replay to issue a collective, the ranks' collective sequences
+    would no longer match and the next DDP step or the final ``all_reduce`` would fail or hang."""
+    from ampdoctor.watch import watch
+
+    out: dict[str, Any] = {}
+    for policy in ("warn", "replay"):
+        net = _mlp()
+        model = DDP(net)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 + rank))
+        steps = 0
+        with watch(model, opt, on_anomaly=policy) as w:  # type: ignore[arg-type]
+            for step in range(3):
+                opt.zero_grad(set_to_none=True)
+                loss = _square_mean(model(x), x)
+                if rank == 1 and step == 1:
+                    loss = loss + torch.tensor(float("nan"))
+                loss.backward()
+                w.step(loss)
+                opt.step()
+                steps += 1
+        report = w.report()
+        check = torch.tensor([float(rank + 1)])
+        dist.all_reduce(check)                   # still in step with the other rank
+        out[policy] = {"steps": steps, "codes": report.codes(), "disabled": w.disabled,
+                       "anomalies": [(a["kind"], a["step"]) for a in report.summary.get("anomalies", [])],
+                       "replayed": "replay" in report.summary, "replay_error": report.summary.get("replay_error"),
+                       "all_reduce": float(check), "finite_weights": all(bool(torch.isfinite(p).all())
+                                                                         for p in net.parameters())}
+    return out

@@ -1,0 +1,33 @@
+"""``ampdoctor.watch`` on both ranks of a 2-process DDP job (gloo, CPU): a NaN loss on rank 1 only.
+
+Rank 1 alone sees the anomaly and replays the step in process (default policy and ``"replay"``). The replay runs
+on the local, unwrapped module and issues no collective: both ranks finish every step, and a final
+``all_reduce`` still pairs up. The launcher kills the ranks after a timeout, so a desynchronised job fails the
+test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from tests.distributed._workers import ddp_watch_nan_loss_on_rank1, launch
+
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                                reason="needs torch.distributed with the gloo backend")
+
+
+@pytest.fixture(scope="module")
+def nan_loss() -> list[dict]:
+    return launch(ddp_watch_nan_loss_on_rank1, 2, timeout=120.0)
+
+
+@pytest.mark.parametrize("policy", ["warn", "replay"])
+def test_a_replay_on_one_rank_never_desynchronises_the_job(nan_loss, policy):
+    r0, r1 = (res[policy] for res in nan_loss)
+    for r in (r0, r1):
+        assert r["steps"] == 3 and r["disabled"] is None and r["finite_weights"]
+        assert r["all_reduce"] == 3.0                     # 1 + 2: both ranks reached the same collective
+    assert r1["anomalies"] == [("nonfinite-loss", 1)] and r1["codes"] == ["overflow"]
+    assert r1["replayed"] and r1["replay_error"] is None
+    assert r0["anomalies"] == [] and r0["codes"] == [] and not r0["replayed"]  # its loss and grads are finite
