@@ -1,7 +1,7 @@
 """Lightning integration: a callback that watches ``Trainer.fit``.
 
 >>> from ampdoctor.integrations.lightning import AmpDoctorCallback            # doctest: +SKIP
->>> cb = AmpDoctorCallback(on_anomaly="raise")                                # doctest: +SKIP
+>>> cb = AmpDoctorCallback(on_anomaly="raise")        # stops the fit (trainer.should_stop)  # doctest: +SKIP
 >>> L.Trainer(max_steps=100, callbacks=[cb]).fit(module, loader)              # doctest: +SKIP
 >>> cb.report.codes()                                                         # doctest: +SKIP
 
@@ -40,12 +40,21 @@ log = logging.getLogger(__name__)
 
 
 class AmpDoctorCallback(Callback):
-    """Watch a Lightning fit; ``watch_options`` go to :func:`ampdoctor.watch`. The report lands in ``.report``."""
+    """Watch a Lightning fit; ``watch_options`` go to :func:`ampdoctor.watch`. The report lands in ``.report``.
+
+    ``on_anomaly="raise"`` raises nothing through ``Trainer.fit``: the anomalous step's update is dropped (as
+    ``"skip"`` does; the weights stay as they were), ``trainer.should_stop`` is set, the error is kept in
+    ``self.error``, and fit ends normally with every hook removed.
+    """
 
     def __init__(self, **watch_options: Any) -> None:
+        self.stop_on_anomaly = watch_options.get("on_anomaly") == "raise"
+        if self.stop_on_anomaly:
+            watch_options = {**watch_options, "on_anomaly": "skip"}
         self.watch_options = watch_options
         self.watch: Watch | None = None
         self.report: Report | None = None
+        self.error: str | None = None
         self._batch_idx = 0
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -98,9 +107,17 @@ class AmpDoctorCallback(Callback):
             return
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         self.watch.step(loss if isinstance(loss, torch.Tensor) else None)
-        for key, value in self.watch.counters().items():     # into the Trainer's own loggers (self.log)
+        counters = self.watch.counters()
+        for key, value in counters.items():     # into the Trainer's own loggers (self.log)
             if key != "steps":
                 pl_module.log(f"ampdoctor/{key}", float(value), on_step=True, on_epoch=False, prog_bar=False)
+        if self.stop_on_anomaly and self.error is None and counters.get("anomalies"):
+            anomalies = self.watch.report().summary.get("anomalies", [])
+            if anomalies:
+                first = anomalies[0]
+                self.error = f"ampdoctor: {first['kind']} at step {first['step']}: {first['message']}"
+                log.error("%s; stopping training (on_anomaly='raise')", self.error)
+                trainer.should_stop = True
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._close()

@@ -9,7 +9,6 @@ import torch.nn as nn
 L = pytest.importorskip("lightning.pytorch")
 
 from ampdoctor.integrations.lightning import AmpDoctorCallback  # noqa: E402
-from ampdoctor.watch import AnomalyError  # noqa: E402
 
 
 class Module(L.LightningModule):
@@ -67,16 +66,23 @@ def test_lightning_healthy_run_is_ok() -> None:
     assert float(logged["ampdoctor/grad_norm"]) > 0
 
 
-def test_lightning_closure_step_is_stopped_before_the_update() -> None:
+def test_lightning_raise_drops_the_bad_update_and_stops_the_trainer() -> None:
     torch.manual_seed(0)
     module = Module(bad_batch=2)
     cb = AmpDoctorCallback(on_anomaly="raise")
-    with pytest.raises(AnomalyError) as ei:
-        fit(module, cb)
-    assert ei.value.kind == "nonfinite-grads" and ei.value.step == 2
+    trainer = fit(module, cb, steps=6)                 # nothing raised through fit
+    assert trainer.should_stop and trainer.global_step == 3
+    assert cb.error is not None and "nonfinite-grads at step 2" in cb.error
     after = module.state_dict()
     assert all(torch.equal(v, after[k]) for k, v in module.seen[2].items())   # weights of the bad step's start
-    assert cb.watch is None and cb.report is not None
+    assert all(torch.isfinite(v).all() for v in after.values())
+    assert cb.watch is None and cb.report is not None and not module._forward_pre_hooks
+    assert float(trainer.logged_metrics["ampdoctor/anomalies"]) >= 1.0
+
+
+def test_lightning_bad_option_raises_at_fit_start() -> None:
+    with pytest.raises(ValueError, match="on_anomaly"):
+        fit(Module(), AmpDoctorCallback(on_anomaly="rasie"))
 
 
 def test_lightning_grad_scaler_skipped_steps_are_seen() -> None:
