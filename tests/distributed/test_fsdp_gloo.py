@@ -53,10 +53,16 @@ def test_fsdp1_names_follow_the_wrappers_named_modules(fsdp):
 def test_the_overflow_is_local_on_rank_1_and_received_on_rank_0(fsdp, kind, up):
     r0, r1 = fsdp
     assert r0["up_nonfinite"] == 0 and r1["up_nonfinite"] > 0  # float32 overflow of up, on rank 1 only
-    assert r1[kind]["local"] == [{"op": "aten.addmm.default", "module": up, "phase": "forward", "kind": "op"}]
+    origin = {"op": "aten.addmm.default", "module": up, "phase": "forward", "kind": "op"}
     assert r0[kind]["received"] >= 1
     if kind == "fsdp2":
+        assert r1[kind]["local"] == [origin]
         assert r0[kind]["local"] == []  # rank 0 computed no inf/NaN of its own
+    else:
+        # the first local origin is the forward addmm; FSDP1's asynchronous reduce-scatter into its flat gradient
+        # buffer can, under load, show later backward `split`s of that buffer as local too (seen at load ~12)
+        assert r1[kind]["local"][0] == origin
+        assert all(o["phase"] == "backward" for o in r1[kind]["local"][1:])
     # FSDP1 (flat parameters) reads buffers its asynchronous all-gather fills: depending on timing, rank 0 may see
     # a value that arrived through that gather without the collective in its lineage. Not asserted, see
     # docs/distributed.md.
