@@ -25,6 +25,7 @@ from ampdoctor.watch._options import KINDS, ON_ANOMALY, AnomalyError, OnAnomaly,
 from ampdoctor.watch._params import unwrap_optimizer
 from ampdoctor.watch._payload import build_payload, copy_without_hooks
 from ampdoctor.watch._policy import Anomaly, AnomalyPolicy
+from ampdoctor.watch._ranks import RankAgreement
 from ampdoctor.watch._report import build_report, precision_of
 from ampdoctor.watch._scaler import GradScalerView
 from ampdoctor.watch._sinks import ScalarSink, Sinks
@@ -74,6 +75,7 @@ class Watch:
         self._health.active = True
         try:
             self._tracker.setup()
+            self._policy.ranks = RankAgreement.create(self.model, self.options.on_anomaly)   # collective
             if self.options.tensorboard is not None:
                 self._sinks.open_tensorboard(os.fspath(self.options.tensorboard))
             self._health.ready = True
@@ -236,7 +238,10 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     the call where it is detected (``optimizer.step()`` before the weights change, or the next forward for
     GradScaler-skipped steps); ``"skip"`` sets every gradient of the optimizer to ``None`` before a step with
     non-finite loss/gradients or a norm spike, so built-in optimizers leave parameters and state untouched (as
-    GradScaler does); ``"replay"`` is ``"warn"`` with ``locate`` forced on. With ``reproducer_dir``, the first
+    GradScaler does); ``"replay"`` is ``"warn"`` with ``locate`` forced on. Under DDP/FSDP (process group of 2+
+    ranks), ``"raise"`` and ``"skip"`` are agreed: every rank raises, or skips the update, when any rank must
+    (one 2-integer ``all_reduce`` per optimizer step on a group of the watch's own; see
+    :mod:`ampdoctor.watch._ranks`), so no rank waits and the replicas stay equal. With ``reproducer_dir``, the first
     anomaly of each kind is written there (see :mod:`ampdoctor.watch._reproducer`). ``tensorboard``: a log dir
     for scalars (needs ``pip install tensorboard``). ``source``: a scenario/script path stored in reproducers.
     Bad options (an unknown ``on_anomaly``, an unwritable directory, TensorBoard missing) raise here.

@@ -21,6 +21,7 @@ from ampdoctor.watch import _reproducer
 from ampdoctor.watch._detectors import WINDOW, Detection
 from ampdoctor.watch._options import AnomalyError, WatchOptions
 from ampdoctor.watch._payload import StepInputs
+from ampdoctor.watch._ranks import RankAgreement
 from ampdoctor.watch._sinks import Sinks
 
 log = logging.getLogger("ampdoctor.watch")
@@ -61,6 +62,10 @@ class AnomalyPolicy:
         #: how the in-process replay runs the step (``train_step(model, batch, optimizer=, scaler=)`` of
         #: :func:`ampdoctor.diagnose`); None: the root module is called with the recorded inputs
         self.train_step: Callable[..., Any] | None = None
+        #: data-parallel ranks agree on raise/skip (:mod:`ampdoctor.watch._ranks`); None: decide locally
+        self.ranks: RankAgreement | None = None
+        self._pending_raise: AnomalyError | None = None
+        self._want_skip = False
         self._writer_broken = False
 
     @property
@@ -77,16 +82,45 @@ class AnomalyPolicy:
         text = f"ampdoctor.watch: {d.message}" + (f" Reproducer: {path}" if path else "")
         if o.on_anomaly == "raise":
             err = AnomalyError(text, kind=d.kind, step=d.record.step, reproducer=path)
+            if self.ranks is not None:      # raised at the step's agreement, on every rank together
+                self._pending_raise = self._pending_raise or err
+                return
             if can_raise:
                 raise err
             if self.deferred is None:
                 self.deferred = err
             return
         if o.on_anomaly == "skip" and a.pre_step and d.kind in SKIPPABLE:
+            if self.ranks is not None:      # skipped at the step's agreement, on every rank together
+                self._want_skip = True
+                text += " The optimizer step is skipped on every rank (gradients set to None)."
+            else:
+                self._skip_step()
+                self.skipped_by_guard += 1
+                text += " The optimizer step was skipped (gradients set to None)."
+        self.sinks.anomaly(text, first=first)
+
+    def agree(self, step: int) -> None:
+        """The step's agreement (every rank calls it at each optimizer pre-step check): when any rank must skip,
+        every rank drops the update; when any rank must raise, every rank raises (its own error, or one naming
+        the other ranks). One tiny collective on the watch's own group."""
+        ranks = self.ranks
+        if ranks is None:
+            return
+        own, self._pending_raise = self._pending_raise, None
+        want, self._want_skip = self._want_skip, False
+        raised, skipped = ranks.agree(own is not None, want)
+        if skipped:
             self._skip_step()
             self.skipped_by_guard += 1
-            text += " The optimizer step was skipped (gradients set to None)."
-        self.sinks.anomaly(text, first=first)
+            if not want:
+                log.warning("ampdoctor.watch: step %d: %d other rank(s) saw an anomaly; this rank skips the update "
+                            "too, so the replicas stay equal", step, skipped)
+        if raised:
+            raise own or AnomalyError(
+                f"ampdoctor.watch: step {step}: {raised} other rank(s) of {ranks.world_size} saw an anomaly and "
+                f"stop (on_anomaly='raise'); rank {ranks.rank} stops with them before the update",
+                kind="other-rank", step=step)
 
     def _extras(self, a: Anomaly) -> str | None:
         """Reproducer and replay of the first anomaly of a kind; their failures never stop the decision."""

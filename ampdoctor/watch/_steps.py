@@ -342,6 +342,8 @@ class StepTracker:
                               if p.grad is not None and not p.grad.is_sparse]
         self.read(current=it)
         self.handle_queue(can_raise=True)
+        assert self.policy is not None
+        self.policy.agree(rec.step)
 
     def close(self, *, skipped: bool, scale: torch.Tensor | None = None, scale_known: bool = False) -> None:
         it = self.it

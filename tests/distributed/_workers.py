@@ -309,3 +309,41 @@ def ddp_watch_nan_loss_on_rank1(rank: int, world_size: int, tmp: str) -> dict[st
                        "all_reduce": float(check), "finite_weights": all(bool(torch.isfinite(p).all())
                                                                          for p in net.parameters())}
     return out
+
+
+def ddp_watch_agreed_decisions(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """The NaN loss of rank 1 at step 1 (finite gradients) under ``on_anomaly="skip"`` and ``"raise"``: the
+    decision must be taken on both ranks (rank 0 sees nothing wrong itself)."""
+    from ampdoctor.watch import AnomalyError, watch
+
+    out: dict[str, Any] = {}
+    for policy in ("skip", "raise"):
+        net = _mlp()
+        model = DDP(net)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 + rank))
+        steps, error = 0, None
+        before_bad: list[torch.Tensor] = []
+        try:
+            with watch(model, opt, on_anomaly=policy, locate=False) as w:  # type: ignore[arg-type]
+                for step in range(3):
+                    if step == 1:
+                        before_bad = [p.detach().clone() for p in net.parameters()]
+                    opt.zero_grad(set_to_none=True)
+                    loss = _square_mean(model(x), x)
+                    if rank == 1 and step == 1:
+                        loss = loss + torch.tensor(float("nan"))
+                    loss.backward()
+                    w.step(loss)
+                    opt.step()
+                    steps += 1
+        except AnomalyError as e:
+            error = (e.kind, e.step)
+        weights = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+        both = [torch.zeros_like(weights) for _ in range(world_size)]
+        dist.all_gather(both, weights)           # also proves the ranks are still in step
+        out[policy] = {"steps": steps, "error": error, "replicas_equal": torch.equal(both[0], both[1]),
+                       "skipped_by_guard": w.report().summary["steps_skipped_by_watch"], "disabled": w.disabled,
+                       "unchanged_by_bad_step": (policy == "raise" and all(
+                           torch.equal(a, b) for a, b in zip(before_bad, net.parameters())))}
+    return out
