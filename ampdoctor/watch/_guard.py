@@ -93,7 +93,7 @@ class Watch:
                     deferred = e
                 except Exception as e:  # noqa: BLE001
                     self._health.disable(e)
-            deferred = deferred or self._policy.deferred
+            deferred = deferred or self._policy.deferred or self._policy.take_pending()
         finally:
             try:
                 self._tracker.remove_hooks()

@@ -122,6 +122,11 @@ class AnomalyPolicy:
                 f"stop (on_anomaly='raise'); rank {ranks.rank} stops with them before the update",
                 kind="other-rank", step=step)
 
+    def take_pending(self) -> AnomalyError | None:
+        """A raise that no agreement took yet (seen after the last optimizer step): raised at the watch's exit."""
+        err, self._pending_raise = self._pending_raise, None
+        return err
+
     def _extras(self, a: Anomaly) -> str | None:
         """Reproducer and replay of the first anomaly of a kind; their failures never stop the decision."""
         o = self.options

@@ -317,7 +317,8 @@ def ddp_watch_agreed_decisions(rank: int, world_size: int, tmp: str) -> dict[str
     from ampdoctor.watch import AnomalyError, watch
 
     out: dict[str, Any] = {}
-    for policy in ("skip", "raise"):
+    for policy in ("skip", "raise", "raise-late"):
+        late = policy == "raise-late"
         net = _mlp()
         model = DDP(net)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -325,17 +326,20 @@ def ddp_watch_agreed_decisions(rank: int, world_size: int, tmp: str) -> dict[str
         steps, error = 0, None
         before_bad: list[torch.Tensor] = []
         try:
-            with watch(model, opt, on_anomaly=policy, locate=False) as w:  # type: ignore[arg-type]
+            with watch(model, opt, on_anomaly="raise" if late else policy, locate=False) as w:  # type: ignore[arg-type]
                 for step in range(3):
                     if step == 1:
                         before_bad = [p.detach().clone() for p in net.parameters()]
                     opt.zero_grad(set_to_none=True)
                     loss = _square_mean(model(x), x)
-                    if rank == 1 and step == 1:
+                    if rank == 1 and step == (2 if late else 1):
                         loss = loss + torch.tensor(float("nan"))
                     loss.backward()
-                    w.step(loss)
+                    if not late:
+                        w.step(loss)
                     opt.step()
+                    if late:             # the loss given after the update, at the last step: seen at exit
+                        w.step(loss)
                     steps += 1
         except AnomalyError as e:
             error = (e.kind, e.step)

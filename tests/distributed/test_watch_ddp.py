@@ -51,3 +51,9 @@ def test_raise_is_agreed_so_no_rank_waits(agreed):
     assert r1["error"] == ("nonfinite-loss", 1) and r0["error"] == ("other-rank", 1)
     for r in (r0, r1):
         assert r["steps"] == 1 and r["replicas_equal"] and r["unchanged_by_bad_step"]
+
+
+def test_a_raise_seen_after_the_last_step_is_raised_at_exit(agreed):
+    r0, r1 = (res["raise-late"] for res in agreed)
+    assert r1["error"] == ("nonfinite-loss", 2) and r0["error"] is None
+    assert r0["steps"] == r1["steps"] == 3 and r0["replicas_equal"]
