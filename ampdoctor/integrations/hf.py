@@ -22,7 +22,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("ampdoctor.integrations.hf needs transformers: pip install ampdoctor[hf]") from e
 
 from ampdoctor.findings._types import Report
-from ampdoctor.watch import Watch, watch
+from ampdoctor.watch import Watch, check_watch_options, watch
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ class AmpDoctorCallback(TrainerCallback):
     """
 
     def __init__(self, **watch_options: Any) -> None:
+        check_watch_options(**watch_options)       # a typo raises here, not inside the training run
         self.stop_on_anomaly = watch_options.get("on_anomaly") == "raise"
         if self.stop_on_anomaly:
             watch_options = {**watch_options, "on_anomaly": "skip"}

@@ -34,7 +34,7 @@ else:
                 "ampdoctor.integrations.lightning needs Lightning: pip install ampdoctor[lightning]") from e
 
 from ampdoctor.findings._types import Report
-from ampdoctor.watch import Watch, watch
+from ampdoctor.watch import Watch, check_watch_options, watch
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class AmpDoctorCallback(Callback):
     """
 
     def __init__(self, **watch_options: Any) -> None:
+        check_watch_options(**watch_options)       # a typo raises here, not inside the training run
         self.stop_on_anomaly = watch_options.get("on_anomaly") == "raise"
         if self.stop_on_anomaly:
             watch_options = {**watch_options, "on_anomaly": "skip"}

@@ -16,7 +16,7 @@ device back once per optimizer step. Reproducers are plain tensor dicts (``torch
 """
 
 from ampdoctor.errors import AnomalyError, ReproducerError
-from ampdoctor.watch._guard import KINDS, ON_ANOMALY, Watch, WatchOptions, watch
+from ampdoctor.watch._guard import KINDS, ON_ANOMALY, Watch, WatchOptions, check_watch_options, watch
 from ampdoctor.watch._reproducer import is_replaying, load_reproducer, replay
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "ReproducerError",
     "Watch",
     "WatchOptions",
+    "check_watch_options",
     "is_replaying",
     "load_reproducer",
     "replay",

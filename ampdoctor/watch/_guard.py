@@ -13,6 +13,7 @@ is called.
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any, Literal
 
@@ -262,4 +263,16 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     return Watch(model, optimizer, scaler, opts)
 
 
-__all__ = ["KINDS", "ON_ANOMALY", "AnomalyError", "Watch", "WatchOptions", "watch"]
+def check_watch_options(**options: Any) -> None:
+    """Raise now, as :func:`watch` would, for keyword options it would reject (an unknown name, a typo in
+    ``on_anomaly``, a wrong type): the framework callbacks call it when they are built, not inside ``fit()``."""
+    params = inspect.signature(watch).parameters
+    unknown = sorted(set(options) - {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY})
+    if unknown:
+        raise TypeError(f"unknown watch option(s) {', '.join(map(repr, unknown))}; the options are: "
+                        + ", ".join(n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY))
+    fields = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in options.items()}
+    WatchOptions(**fields)
+
+
+__all__ = ["KINDS", "ON_ANOMALY", "AnomalyError", "Watch", "WatchOptions", "check_watch_options", "watch"]

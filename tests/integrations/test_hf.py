@@ -128,3 +128,10 @@ def test_trainer_fp16_weights_default_replay_names_module_and_op(tmp_path) -> No
     assert first.op in ("aten.addmm.default", "aten.mm.default", "aten.linear.default")
     twin = run(1.0, "ok").report
     assert "replay" not in twin.summary and not any(f.code == "overflow" for f in twin.findings)
+
+
+def test_bad_option_raises_at_construction() -> None:
+    with pytest.raises(ValueError, match="on_anomaly 'rasie'"):
+        AmpDoctorCallback(on_anomaly="rasie")
+    with pytest.raises(TypeError, match="unknown watch option.*'reproducer'"):
+        AmpDoctorCallback(reproducer="repro")

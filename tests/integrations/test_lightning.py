@@ -80,9 +80,13 @@ def test_lightning_raise_drops_the_bad_update_and_stops_the_trainer() -> None:
     assert float(trainer.logged_metrics["ampdoctor/anomalies"]) >= 1.0
 
 
-def test_lightning_bad_option_raises_at_fit_start() -> None:
-    with pytest.raises(ValueError, match="on_anomaly"):
-        fit(Module(), AmpDoctorCallback(on_anomaly="rasie"))
+def test_lightning_bad_option_raises_at_construction() -> None:
+    with pytest.raises(ValueError, match="on_anomaly 'rasie'"):
+        AmpDoctorCallback(on_anomaly="rasie")
+    with pytest.raises(TypeError, match="unknown watch option.*'on_anomally'"):
+        AmpDoctorCallback(on_anomally="raise")
+    with pytest.raises(TypeError, match="coverage_steps must be an int"):
+        AmpDoctorCallback(coverage_steps="3")
 
 
 def test_lightning_grad_scaler_skipped_steps_are_seen() -> None:
