@@ -111,6 +111,12 @@ def test_lightning_grad_scaler_skipped_steps_are_seen() -> None:
     assert (f.severity, f.evidence["first_skipped_step"], f.evidence["ongoing"]) == ("error", 2, True)
     assert f.evidence["scales"][:3] == [65536.0, 32768.0, 16384.0]
     assert r.precision == "fp16-amp"
+    # the default replay ran training_step (the module has no forward) with the GradScaler: the batch's cast to
+    # fp16 for body's addmm is where the values (x * 1e6) leave fp16's range
+    assert r.summary["replay"]["summary"]["replay"]["scaler"] is True
+    first = r.findings[0]
+    assert (first.code, first.module, first.op, first.phase) == ("overflow", "body", "aten._to_copy.default",
+                                                                 "forward")
 
 
 class OnlyTrainingStep(L.LightningModule):
