@@ -8,6 +8,7 @@ rejects duplicate names; detectors of one event run in registration order.
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections import deque
@@ -17,6 +18,8 @@ from typing import Any, TypeVar
 
 from ampdoctor.watch._options import Kind, WatchOptions
 from ampdoctor.watch._record import LostUpdates, StepRecord
+
+log = logging.getLogger("ampdoctor.watch")
 
 #: grad-spike records and scale changes kept for the report (a window: memory stays flat)
 WINDOW = 32
@@ -104,6 +107,8 @@ class DetectorState:
     lost: LostUpdates = field(default_factory=LostUpdates)
     health: ScaleHealth = field(default_factory=ScaleHealth)
     skip_run: list[StepRecord] = field(default_factory=list)
+    #: detectors that raised: dropped for the rest of the run (one warning each), the others go on
+    broken: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.norm_history = deque(self.norm_history, maxlen=self.options.spike_window)
@@ -128,8 +133,16 @@ def detector(name: str, event: type) -> Callable[[Detector], Detector]:
 
 def run_detectors(event: Event, state: DetectorState) -> list[Detection]:
     out: list[Detection] = []
-    for _, fn in DETECTORS.get(type(event), ()):
-        out.extend(fn(event, state))
+    for name, fn in DETECTORS.get(type(event), ()):
+        if name in state.broken:
+            continue
+        try:
+            out.extend(fn(event, state))
+        except Exception as exc:  # noqa: BLE001 - one broken detector must not blind the others
+            state.broken.add(name)
+            log.warning("ampdoctor.watch: the %r detector failed (%s: %s) and is off for the rest of the run; "
+                        "the other checks go on. Please report this with the traceback.", name,
+                        type(exc).__name__, exc, exc_info=exc)
     return out
 
 

@@ -97,7 +97,9 @@ class Watch:
             deferred = deferred or self._policy.deferred or self._policy.take_pending()
         finally:
             try:
-                self._tracker.remove_hooks()
+                self._tracker.remove_hooks()    # removes every hook even when one fails, then re-raises
+            except Exception as e:  # noqa: BLE001 - must not escape __exit__ (nor hide the user's error)
+                self._health.disable(e)
             finally:
                 self._health.active = False
                 self._exited = True

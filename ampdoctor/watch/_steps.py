@@ -125,6 +125,10 @@ class StepTracker:
         self.readback = Readback()
         self.queue: list[Anomaly] = []
         self.explicit = False
+        #: the watched optimizer stopped stepping while the weights keep changing (rebuilt optimizer, R12)
+        self.orphaned = False
+        self.unwatched_updates = 0
+        self.weights_version = self._weights_version()
         self.autocast: dict[str, Any] = {"autocast": False, "autocast_dtype": None, "device_type": self.device_type}
         self.cov_steps = 0
         self.cov_seen: set[int] = set()
@@ -152,9 +156,17 @@ class StepTracker:
                     self.module_handles.append((mod_name, h))
 
     def remove_hooks(self) -> None:
-        for h in self.handles + self.coverage_handles:
-            h.remove()
+        """Remove every hook; one that fails to go does not keep the others (the first error is re-raised)."""
+        handles = self.handles + self.coverage_handles
         self.handles, self.coverage_handles, self.module_handles = [], [], []
+        failed: Exception | None = None
+        for h in handles:
+            try:
+                h.remove()
+            except Exception as exc:  # noqa: BLE001 - keep removing
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def finish(self) -> None:
         self.poll_scaler()
@@ -177,10 +189,32 @@ class StepTracker:
         if not torch.is_grad_enabled():     # evaluation between steps: not part of a training step
             self.handle_queue(can_raise=True)
             return
+        if self.optimizer is not None and not self.orphaned:
+            self._check_optimizer_steps()
         if self.optimizer is None and not self.explicit and self.it.forward_seen:
             self.close(skipped=False)
         self.handle_queue(can_raise=True)
         self.note_call(args, kwargs, rng_state(self.device_type))
+
+    def _weights_version(self) -> int | None:
+        ps = self.params.opt_params
+        return ps[0]._version if self.optimizer is not None and ps else None
+
+    def _check_optimizer_steps(self) -> None:
+        """Notice weights that change without the watched optimizer stepping (a new optimizer built mid-run):
+        one counter read per forward, no sync. Twice in a row (a user's in-place clamp after a step is once) means
+        the watch no longer sees the steps: warn once and close a step at each ``w.step(loss)`` from then on."""
+        v = self._weights_version()
+        if v is None or v == self.weights_version:
+            return
+        self.weights_version = v
+        self.unwatched_updates += 1
+        if self.unwatched_updates >= 2:
+            self.orphaned = True
+            log.warning("ampdoctor.watch: the weights changed %d times without the watched optimizer stepping: "
+                        "it is no longer the one in use (rebuilt mid-run?). Gradient checks now run only at "
+                        "w.step(loss); to watch the new optimizer's steps, watch it: ampdoctor.watch(model, "
+                        "new_optimizer)", self.unwatched_updates)
 
     def note_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], rng: dict[str, Any] | None) -> None:
         it = self.it
@@ -208,14 +242,15 @@ class StepTracker:
             self.autocast = {"autocast": True, "autocast_dtype": str(torch.get_autocast_dtype(dt)).replace(
                 "torch.", ""), "device_type": dt}
 
-    def on_grad(self, p: torch.Tensor) -> None:
-        if self.health.working:
-            self.it.seen.add(id(p))
+    @guarded
+    def on_grad(self, p: torch.Tensor) -> None:   # inside backward(): an error here must never reach it
+        self.it.seen.add(id(p))
 
     @guarded
     def on_opt_pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         self.poll_scaler()
+        self.unwatched_updates = 0
         self.handle_queue(can_raise=True)
         if self.params.changed():        # add_param_group since the last step: re-read names and roles
             self.params.refresh()
@@ -262,6 +297,7 @@ class StepTracker:
                 self.lost_left -= 1
         if self.scaler is not None:
             self.stepped_token = self.scaler.token()
+        self.weights_version = self._weights_version()
         self.close(skipped=self.it.record.skipped, scale_known=True)
 
     @guarded
@@ -270,17 +306,19 @@ class StepTracker:
         it = self.it
         # with an optimizer, a loss given after optimizer.step() (no forward since) belongs to the step just closed
         last = self.last_it
-        late = self.optimizer is not None and not it.active and last is not None
+        late = self.optimizer is not None and not self.orphaned and not it.active and last is not None
         target = last if late and last is not None else it
         if loss is not None:
             t = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
             if not late:
+                if it.loss is not None:     # an earlier loss of this open step is checked, not overwritten
+                    self.readback.add(LossValue(it.loss.float().sum().reshape(1), it.record))
                 it.loss = t
             else:
                 self.readback.add(LossValue(t.float().sum().reshape(1), target.record))
         if batch is not None:
             target.batch, target.has_batch = batch, True
-        if self.optimizer is None:
+        if self.optimizer is None or self.orphaned:
             self.explicit = True
             if it.active or loss is not None:
                 self.before_update()
