@@ -59,6 +59,8 @@ def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) ->
     }
     if policy.replay_report is not None:
         summary["replay"] = {"source": policy.replay_report.source, "summary": policy.replay_report.summary}
+    if s.broken:    # detectors that raised and were switched off (the rest of the watch kept working)
+        summary["detectors_off"] = sorted(s.broken)
     if policy.replay_error is not None:
         summary["replay_error"] = policy.replay_error
     if policy.replay_note is not None:

@@ -128,7 +128,7 @@ def test_a_failing_detector_is_dropped_alone(monkeypatch, caplog) -> None:
         with watch(m, opt, on_anomaly="raise", locate=False) as w:
             _loop(m, opt, 5, bad=3)
     assert ei.value.step == 3 and ei.value.kind in ("nonfinite-grads", "nonfinite-loss")
-    assert w.disabled is None
+    assert w.disabled is None and w.report().summary["detectors_off"] == ["injected-spikes"]
     assert len([s for s in _warnings(caplog) if "injected" in s]) == 1
 
 
