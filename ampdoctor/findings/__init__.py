@@ -18,6 +18,7 @@ from ampdoctor.findings import (  # noqa: F401  (importing a rule module registe
 )
 from ampdoctor.findings._context import Context, build_context
 from ampdoctor.findings._registry import CODE_INFO, RULES, Candidate, CodeInfo, Order, Stage, at, codes_markdown, rule
+from ampdoctor.findings._remedies import REMEDIES, Remedy, remedies_for
 from ampdoctor.findings._types import CODES, SCHEMA_VERSION, Finding, FixProposal, Report
 
 _SEVERITY_RANK = {"error": 0, "warning": 1, "info": 2}
@@ -57,6 +58,7 @@ def analyse(ctx: Context) -> list[Finding]:
 __all__ = [
     "CODES",
     "CODE_INFO",
+    "REMEDIES",
     "RULES",
     "SCHEMA_VERSION",
     "Candidate",
@@ -65,6 +67,7 @@ __all__ = [
     "Finding",
     "FixProposal",
     "Order",
+    "Remedy",
     "Report",
     "Stage",
     "analyse",
@@ -73,5 +76,6 @@ __all__ = [
     "codes_markdown",
     "rank",
     "rank_key",
+    "remedies_for",
     "rule",
 ]

@@ -10,6 +10,7 @@ from ampdoctor.findings._common import (
     base_evidence,
     bf16_fix,
     dtype_name,
+    feeders,
     fmt,
     group_by_owner,
     keep_fp32_fix,
@@ -21,10 +22,15 @@ from ampdoctor.findings._common import (
 from ampdoctor.findings._context import Context, nan_record, reference_nonfinite
 from ampdoctor.findings._poles import flushed_pole_input
 from ampdoctor.findings._registry import RUN_END, SETUP_CRASH, SETUP_CRASHED_COVERAGE, SETUP_INPUT, Candidate, rule
+from ampdoctor.findings._remedies import propose
 from ampdoctor.findings._types import Finding, FixProposal
-from ampdoctor.trace import Kind, OpRecord, ops_with
+from ampdoctor.trace import OPS, Kind, OpRecord, Reduces, ops_with
 
 SOFTMAX_OPS = ops_with(Kind.SOFTMAX)
+#: reductions (and the squares they sum) that the upcast_op fix can run in float32 by name; an inline ``x * x``
+#: cannot be told from any other product at the torch-function level, so it gets keep_fp32 instead
+UPCASTABLE_REDUCTIONS = frozenset({"pow", "square", "sum", "mean", "var", "std", "var_mean", "std_mean", "norm",
+                                   "linalg_vector_norm"})
 
 
 def _out_of_range_constant(ctx: Context, r: OpRecord) -> float | None:
@@ -107,8 +113,7 @@ def overflow(ctx: Context) -> list[Candidate]:
             expl += (f" It is a backward op of {r.node or 'the forward op'}: the forward value fits, its derivative "
                      "does not.")
         ev["first_nan"] = ctx.describe(nan) if nan is not None else None
-        fixes = [keep_fp32_fix(r.module)] if r.module else []
-        fixes.append(bf16_fix(ctx.spec.precision))
+        fixes = _overflow_fixes(ctx, r)
         severity = "error"
         scale = scale_explains(ctx, r)
         if scale is not None:
@@ -124,6 +129,33 @@ def overflow(ctx: Context) -> list[Candidate]:
             f"{op_base(r.op)} overflows {dtype_name(r.dtype)} in {r.module or '<root>'}",
             expl, ev, tuple(fixes), r.step), r.index))
     return out
+
+
+def _feeds_softmax(ctx: Context, r: OpRecord) -> bool:
+    """A softmax within a few ops downstream reads ``r`` (through the scale, the mask add, views)."""
+    for x in ctx.records[r.index + 1:r.index + 48]:
+        if x.kind == "op" and op_base(x.op) in SOFTMAX_OPS and any(
+                y.index == r.index for y in feeders(ctx.records, x, 5)):
+            return True
+    return False
+
+
+def _overflow_fixes(ctx: Context, r: OpRecord) -> list[FixProposal]:
+    """The mechanism's own remedies first (a reduction upcast; scale-before-matmul and SDPA for attention
+    scores), then fp32 for the module and bf16."""
+    base = op_base(r.op)
+    info = OPS.get(base)
+    fixes: list[FixProposal] = []
+    reduction = info is not None and (info.reduces is Reduces.RATIO or Kind.NORM_STATISTIC in info.kinds)
+    if reduction and base in UPCASTABLE_REDUCTIONS and r.phase == "forward" and r.module:
+        fixes.append(propose("fp32-reduction", modules=[r.module], ops=[base]))
+    if r.module:
+        fixes.append(keep_fp32_fix(r.module))
+    gemm = info is not None and info.reduces in (Reduces.INNER_0, Reduces.INNER_1)
+    if gemm and r.phase == "forward" and _feeds_softmax(ctx, r):
+        fixes += [propose("scale-q"), propose("sdpa")]
+    fixes.append(bf16_fix(ctx.spec.precision))
+    return fixes
 
 
 @rule("nan-from-inf", severity="error", precedence=90,
@@ -276,9 +308,7 @@ def _flushed_literal_candidates(ctx: Context) -> list[Candidate]:
         if harm is not None:
             ev["consequence"] = ctx.describe(harm)
             expl += f" The zeros then make inf/NaN at {where(harm)}."
-        fix = FixProposal("use an eps the dtype can hold, from the dtype itself",
-                          "eps = torch.finfo(x.dtype).tiny  # or compute this normalisation in float32",
-                          params={"modules": [r.module]})
+        fix = propose("dtype-eps", modules=[r.module])
         out.append(Candidate(Finding(
             "constant-out-of-range", "error" if harm is not None else "warning", r.module, r.op,
             r.phase,
@@ -287,9 +317,7 @@ def _flushed_literal_candidates(ctx: Context) -> list[Candidate]:
 
 
 def _finfo_fix(module: str) -> FixProposal:
-    return FixProposal("use the target dtype's own limit instead of a fixed literal",
-                       "x = x.masked_fill(mask, torch.finfo(x.dtype).min)", id="safe_mask",
-                       params={"modules": [module]})
+    return propose("mask-finfo-min", modules=[module])
 
 
 @rule("nonfinite-input", severity="error", precedence=20,

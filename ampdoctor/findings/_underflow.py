@@ -27,6 +27,7 @@ from ampdoctor.findings._graph import (
     gradient_params,
 )
 from ampdoctor.findings._registry import Candidate, rule
+from ampdoctor.findings._remedies import propose
 from ampdoctor.findings._types import Finding, FixProposal
 from ampdoctor.trace import Kind, OpRecord, ops_with
 
@@ -138,8 +139,7 @@ def _pole_candidates(ctx: Context) -> list[Candidate]:
                 "this underflow.")
         fixes: list[FixProposal] = []
         if op_base(src.op) in ops_with(Kind.SOFTMAX) and op_base(r.op) in ("log", "log2", "log10"):
-            fixes.append(FixProposal("compute log-probabilities in one op: log_softmax never forms the 0",
-                                     "logp = torch.log_softmax(logits, dim=-1)  # or F.cross_entropy(logits, y)"))
+            fixes.append(propose("log-softmax", modules=[_common_scope(src.module, r.module)]))
         fixes.append(FixProposal("keep the value off 0 before the pole, with the dtype's own limit",
                                  "y = torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))"))
         if src.module:
@@ -149,6 +149,15 @@ def _pole_candidates(ctx: Context) -> list[Candidate]:
             f"{op_base(src.op)} flushes values to 0 that {op_base(r.op)} turns into inf in {src.module or '<root>'}",
             expl, ev, tuple(fixes), src.step), src.index))
     return out
+
+
+def _common_scope(a: str, b: str) -> str:
+    """The innermost module that runs both ``a`` and ``b`` (``""``: the root)."""
+    pa, pb = a.split(".") if a else [], b.split(".") if b else []
+    n = 0
+    while n < min(len(pa), len(pb)) and pa[n] == pb[n]:
+        n += 1
+    return ".".join(pa[:n])
 
 
 def _consequences(dt: str, sub_in: list[OpRecord], consts: list[float], dead: dict[str, tuple[float, float]],

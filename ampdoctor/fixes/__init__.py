@@ -28,6 +28,7 @@ from torch import nn
 from ampdoctor.errors import NoFixError
 from ampdoctor.findings import Finding, FixProposal, Report
 from ampdoctor.fixes._actions import FIXES, FixAction, FixContext, FixPlan, build_plan, register_fix
+from ampdoctor.fixes._mechanisms import MechanismMode
 from ampdoctor.fixes._policy import Fp32Policy, minimal_fp32_policy
 from ampdoctor.fixes._tolerance import TOLERANCES, Tolerance
 from ampdoctor.fixes._verify import (
@@ -203,6 +204,7 @@ __all__ = [
     "FixContext",
     "FixPlan",
     "FixResult",
+    "MechanismMode",
     "Fp32Policy",
     "NoFixError",
     "minimal_fp32_policy",

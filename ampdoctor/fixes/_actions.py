@@ -125,7 +125,7 @@ def build_plan(fix_id: str, params: dict[str, Any] | None, ctx: FixContext) -> F
     return action.build(params, ctx)
 
 
-def _modules_param(params: dict[str, Any], ctx: FixContext, fix_id: str) -> list[str]:
+def modules_param(params: dict[str, Any], ctx: FixContext, fix_id: str) -> list[str]:
     mods = params.get("modules")
     if mods is None and params.get("module") is not None:
         mods = [params["module"]]
@@ -148,7 +148,7 @@ def _qual(mods: list[str]) -> str:
 @register_fix("keep_fp32", summary="run named modules in float32 (autocast off, inputs upcast, fp32 weights)",
               params=("modules", "module"))
 def keep_fp32(params: dict[str, Any], ctx: FixContext) -> FixPlan:
-    mods = _modules_param(params, ctx, "keep_fp32")
+    mods = modules_param(params, ctx, "keep_fp32")
     whole = ctx.precision in ("fp16", "bf16")
     desc = f"run {_qual(mods)} in float32: autocast disabled inside, inputs upcast to float32"
     desc += (", parameters kept float32 after the model cast, outputs cast back to the model's dtype" if whole
@@ -193,7 +193,7 @@ def switch_precision(params: dict[str, Any], ctx: FixContext) -> FixPlan:
 @register_fix("clamp", summary="clamp a module's output to ±(fp16 max - 1000) whatever its dtype",
               params=("modules", "module", "bound"))
 def clamp(params: dict[str, Any], ctx: FixContext) -> FixPlan:
-    mods = _modules_param(params, ctx, "clamp")
+    mods = modules_param(params, ctx, "clamp")
     bound = params.get("bound", FP16_CLAMP)
     if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not (0 < bound < math.inf):
         raise ValueError(f"clamp needs a positive finite params['bound'], got {bound!r}")
@@ -208,7 +208,7 @@ def clamp(params: dict[str, Any], ctx: FixContext) -> FixPlan:
 @register_fix("safe_mask", summary="finite, dtype-aware mask constants and a softmax that zeroes fully masked rows",
               params=("modules", "module"))
 def safe_mask(params: dict[str, Any], ctx: FixContext) -> FixPlan:
-    mods = _modules_param(params, ctx, "safe_mask")
+    mods = modules_param(params, ctx, "safe_mask")
     desc = (f"inside {_qual(mods)}: mask constants below the dtype's range (-1e9 in fp16, -inf) become "
             "torch.finfo(dtype).min of the tensor they are written into, -inf entries of additive masks too, and a "
             "softmax over a fully masked (-inf) row returns 0 for that row")
@@ -220,7 +220,7 @@ def safe_mask(params: dict[str, Any], ctx: FixContext) -> FixPlan:
 @register_fix("upcast_op", summary="run one op family (softmax, norm, loss, exp, tanh, sigmoid) in float32 inside "
               "named modules", params=("modules", "module", "ops", "op"))
 def upcast_op(params: dict[str, Any], ctx: FixContext) -> FixPlan:
-    mods = _modules_param(params, ctx, "upcast_op")
+    mods = modules_param(params, ctx, "upcast_op")
     ops = params.get("ops")
     if ops is None and params.get("op") is not None:
         ops = [params["op"]]
@@ -359,7 +359,7 @@ def fp8_amax_floor(params: dict[str, Any], ctx: FixContext) -> FixPlan:
     floor = params.get("amax_floor", 1e-12)
     if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not (0 < floor < math.inf):
         raise ValueError(f"fp8_amax_floor needs a positive finite amax_floor, got {floor!r}")
-    mods = _modules_param(params, ctx, "fp8_amax_floor")
+    mods = modules_param(params, ctx, "fp8_amax_floor")
     desc = (f"floor amax at {floor:g} before the fp8 scale is computed inside {_qual(mods)} (emulated: the results "
             "of amax/max reductions that are >= 0 and below the floor are raised to it; put the clamp in your "
             "quantisation code)")
@@ -368,4 +368,5 @@ def fp8_amax_floor(params: dict[str, Any], ctx: FixContext) -> FixPlan:
                    (ScopedMode(tuple(mods), "amax_floor", float(floor)),))
 
 
-__all__ = ["FIXES", "FixAction", "FixContext", "FixPlan", "build_plan", "register_fix", "map_tensors", "scopes_of"]
+__all__ = ["FIXES", "FixAction", "FixContext", "FixPlan", "build_plan", "modules_param", "register_fix", "map_tensors",
+           "scopes_of"]
