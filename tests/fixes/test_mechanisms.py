@@ -279,3 +279,26 @@ def test_explain_lists_the_fixes_registered_for_the_code(code: str) -> None:
         assert r.id in text and r.snippet.splitlines()[0].split("#")[0].strip() in text
         if r.fix_id:
             assert f"ampdoctor fix --apply {r.fix_id}" in text
+
+
+def test_the_modes_change_only_what_their_mechanism_names() -> None:
+    from ampdoctor.fixes import MechanismMode
+
+    class Ops(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            p = torch.softmax(x, -1)
+            return torch.log(p), torch.log(p + 0.0), x + 1e-3, x + 1e-10, x.float() + 1e-10
+
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(0)).half() * 4
+    plain = Ops()(x)
+    m = Ops()
+    MechanismMode(("",), "log_softmax")(m)
+    MechanismMode(("",), "dtype_eps")(m)
+    logp, log_other, kept, eps, fp32 = m(x)
+    torch.testing.assert_close(logp, torch.log_softmax(x, -1))     # log of a softmax output: rewritten
+    assert torch.equal(log_other, torch.log(torch.softmax(x, -1) + 1e-10 * 0))  # another tensor: unchanged
+    assert torch.equal(kept, plain[2])                              # 1e-3 fits fp16: unchanged
+    assert torch.equal(eps, x + torch.finfo(torch.float16).tiny)    # 1e-10 is 0 in fp16: finfo.tiny
+    assert torch.equal(fp32, plain[4])                              # fp32 holds 1e-10: unchanged
+    with pytest.raises(ValueError, match="unknown mechanism mode"):
+        MechanismMode(("",), "nope")(m)
