@@ -57,8 +57,8 @@ register_remedy(Remedy(
     "mask-finfo-min", "constant-out-of-range",
     "a mask/fill literal (-1e9, fp32's finfo.min, -inf) beyond the low dtype's range is stored as -inf",
     "use the dtype's own limit for the mask value (finite in every dtype)",
-    "scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)\n"
-    "# additive form: scores = scores + (1.0 - mask.to(scores.dtype)) * torch.finfo(scores.dtype).min",
+    "x = x.masked_fill(mask, torch.finfo(x.dtype).min)   # instead of -1e9 / float32's finfo.min\n"
+    "# additive form: x = x + (1.0 - keep.to(x.dtype)) * torch.finfo(x.dtype).min",
     fix_id="safe_mask"))
 register_remedy(Remedy(
     "dtype-eps", "constant-out-of-range", "an eps literal that is 0 in the low dtype (1e-10 in fp16): x + eps == x",

@@ -121,7 +121,7 @@ def test_mask_literal_out_of_range_gets_finfo_min_and_it_verifies() -> None:
     spec = _spec(MaskNet(), (x, torch.tensor([[1, 1, 0, 0, 1, 1, 1, 0]] * 4)))
     report = _diagnose(spec)
     p = _proposal(report, "constant-out-of-range", "safe_mask")
-    assert p.params == {"modules": ["mask"]} and "torch.finfo(scores.dtype).min" in p.snippet
+    assert p.params == {"modules": ["mask"]} and "torch.finfo(x.dtype).min" in p.snippet
     v = verify(p, spec, steps=STEPS, report=report)
     assert v.verified, v.reason
     assert v.loss_fixed is not None and math.isfinite(v.loss_fixed)
