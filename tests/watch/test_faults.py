@@ -116,6 +116,76 @@ def test_an_internal_failure_changes_nothing_and_warns_once(where, monkeypatch, 
     assert _no_hooks(m1, o1)
 
 
+def _variant_loop(variant: str, m: nn.Module, opt: torch.optim.Optimizer, scaler: Any, n: int,
+                  bad: int | None = None) -> list[float]:
+    """Training loops through the other hook paths: ``optimizer.step(closure)`` and GradScaler."""
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for i in range(n):
+        x = torch.randn(3, 4, generator=g)
+        if i == bad:
+            x[0, 0] = math.inf
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = m(x).pow(2).mean()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            return loss
+        if variant == "closure":
+            loss = opt.step(closure)
+        else:
+            loss = closure()
+            scaler.step(opt)
+            scaler.update()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("variant, where", [("closure", "before_update"), ("scaler", "token"),
+                                            ("scaler", "inner-forward-hook")])
+def test_other_hook_paths_are_isolated(variant, where, monkeypatch, caplog) -> None:
+    from ampdoctor.watch._scaler import GradScalerView
+
+    def run(watched: bool) -> tuple[list[float], list[torch.Tensor], Any]:
+        m, opt = _net()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if variant == "scaler" else None
+        if not watched:
+            return _variant_loop(variant, m, opt, scaler, 5), _state(m, opt), None
+        with watch(m, opt, scaler) as w:
+            if where == "before_update":
+                monkeypatch.setattr(w._tracker, "before_update", _boom)
+            elif where == "token":
+                monkeypatch.setattr(GradScalerView, "token", _boom)
+            else:
+                class BrokenDict(dict):
+                    def __getitem__(self, key: Any) -> Any:
+                        raise RuntimeError("injected")
+                w._tracker.autocast = BrokenDict()
+            losses = _variant_loop(variant, m, opt, scaler, 5)
+        return losses, _state(m, opt), w
+
+    l0, s0, _ = run(False)
+    l1, s1, w = run(True)
+    assert l0 == l1 and _same(s0, s1)
+    assert w.disabled is not None and "injected" in w.disabled
+    assert len([s for s in _warnings(caplog) if "injected" in s]) == 1
+
+
+@pytest.mark.parametrize("on_anomaly", ["raise", "skip"])
+def test_closure_and_scaler_paths_keep_the_decision_when_the_replay_fails(on_anomaly, monkeypatch) -> None:
+    monkeypatch.setattr(_reproducer, "replay_payload", _boom)
+    m, opt = _net()
+    if on_anomaly == "raise":
+        with pytest.raises(AnomalyError):
+            with watch(m, opt, on_anomaly="raise"):
+                _variant_loop("closure", m, opt, None, 4, bad=2)
+    else:
+        with watch(m, opt, on_anomaly="skip") as w:
+            _variant_loop("closure", m, opt, None, 4, bad=2)
+        assert w.report().summary["steps_skipped_by_watch"] == 1
+    assert all(torch.isfinite(p).all() for p in m.parameters()) and _no_hooks(m, opt)
+
+
 def test_a_failing_detector_is_dropped_alone(monkeypatch, caplog) -> None:
     """A detector that raises is disabled with one warning; the others (non-finite loss) keep working."""
     from ampdoctor.watch import _detectors
