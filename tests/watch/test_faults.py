@@ -126,7 +126,7 @@ def _variant_loop(variant: str, m: nn.Module, opt: torch.optim.Optimizer, scaler
         if i == bad:
             x[0, 0] = math.inf
 
-        def closure() -> torch.Tensor:
+        def closure(x: torch.Tensor = x) -> torch.Tensor:
             opt.zero_grad()
             loss = m(x).pow(2).mean()
             (scaler.scale(loss) if scaler is not None else loss).backward()
