@@ -302,3 +302,13 @@ def test_the_modes_change_only_what_their_mechanism_names() -> None:
     assert torch.equal(fp32, plain[4])                              # fp32 holds 1e-10: unchanged
     with pytest.raises(ValueError, match="unknown mechanism mode"):
         MechanismMode(("",), "nope")(m)
+
+
+def test_softmax_alone_in_fp32_does_not_fix_log_of_softmax_but_the_module_in_fp32_does() -> None:
+    """What the docs say: the fp32 probabilities flush again when cast back to fp16 before the log; running the
+    whole module (softmax and log) in fp32 works, like the log_softmax rewrite."""
+    spec = _classifier_spec()
+    report = _diagnose(spec)
+    alone = FixProposal("softmax in fp32", "", id="upcast_op", params={"modules": ["scorer"], "ops": ["softmax"]})
+    assert not verify(alone, spec, steps=STEPS).verified
+    assert verify(_proposal(report, "underflow", "keep_fp32"), spec, steps=STEPS, report=report).verified
