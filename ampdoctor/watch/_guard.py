@@ -34,7 +34,12 @@ from ampdoctor.watch._steps import StepTracker
 
 
 class Watch:
-    """A cheap guard over a training loop; use :func:`watch` to build one and enter it with ``with``."""
+    """A cheap guard over a training loop; use :func:`watch` to build one and enter it with ``with``.
+
+    Param groups added to the optimizer later are re-read at the next step. An optimizer rebuilt mid-run (the
+    weights change twice without the watched one stepping) gets one warning, and gradients are then checked at
+    each ``w.step(loss)``.
+    """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  scaler: torch.amp.GradScaler | None = None, options: WatchOptions | None = None) -> None:
@@ -255,8 +260,7 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     ``coverage_steps`` steps only: one Python call per parameter per backward, and a copy of the fp16/bf16
     parameters the optimizer updates (to measure lost updates). The inputs of the last forward are kept by
     reference until the next one. An internal error disables the failing part with one warning; training continues.
-    Param groups added later are re-read at the next step; an optimizer rebuilt mid-run (the weights change twice
-    without the watched one stepping) gets one warning, and gradients are then checked at each ``w.step(loss)``.
+    Param groups added later are re-read; a rebuilt optimizer gets one warning (:class:`Watch`).
     """
     def path(v: Any) -> Any:  # a wrong type is reported by WatchOptions, naming the argument
         return os.fspath(v) if isinstance(v, os.PathLike) else v
