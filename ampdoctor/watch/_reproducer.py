@@ -146,10 +146,52 @@ def load_reproducer(path: str | os.PathLike[str]) -> dict[str, Any]:
     missing = [k for k in _REQUIRED if k not in obj]
     if missing:
         raise ReproducerError(f"{path!r} lacks {', '.join(missing)}; it was not written by ampdoctor.watch")
-    if not isinstance(obj["version"], int) or obj["version"] > VERSION:
+    if not isinstance(obj["version"], int) or isinstance(obj["version"], bool):
+        raise ReproducerError(f"{path!r} has a reproducer format version {obj['version']!r} that is not an integer: "
+                              "the file was altered or not written by ampdoctor.watch; write a new one")
+    if obj["version"] > VERSION:
         raise ReproducerError(f"{path!r} has reproducer format version {obj['version']!r}; this ampdoctor reads "
                               f"versions <= {VERSION}: upgrade ampdoctor")
+    _check_fields(obj, path)
     return obj
+
+
+#: field -> (accepted types, what it must be); ``None`` is accepted for the optional ones
+_FIELD_TYPES: dict[str, tuple[tuple[type, ...], str, bool]] = {
+    "model_state": ((dict,), "a state_dict (name -> tensor)", False),
+    "precision": ((dict,), "a dict with the precision 'name'", False),
+    "rng": ((dict,), "a dict of RNG state tensors", True),
+    "optimizer_state": ((dict,), "an optimizer state_dict", True),
+    "scaler_state": ((dict,), "a GradScaler state_dict", True),
+    "step": ((int,), "an int", False),
+}
+
+
+def _check_fields(obj: dict[str, Any], path: str) -> None:
+    """Every field replay reads has the type it was written with; a crafted or altered file gets one clear error
+    here instead of a raw TypeError/KeyError deep inside the replay."""
+    def bad(field: str, what: str) -> ReproducerError:
+        return ReproducerError(f"{path!r}: field {field!r} must be {what}, got {type(obj.get(field)).__name__}; the "
+                               "file was altered or not written by ampdoctor.watch; write a new one")
+
+    for field, (types, what, optional) in _FIELD_TYPES.items():
+        value = obj.get(field)
+        if (value is None and optional) or (isinstance(value, types) and not isinstance(value, bool)):
+            continue
+        raise bad(field, what)
+    if not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj["model_state"].items()):
+        raise bad("model_state", "a state_dict (name -> tensor)")
+    name = obj["precision"].get("name")
+    if name is not None and not isinstance(name, str):
+        raise bad("precision", "a dict whose 'name' is a string or None")
+    rng = obj.get("rng") or {}
+    cpu = rng.get("cpu")
+    if cpu is not None and (not isinstance(cpu, torch.Tensor) or cpu.dtype != torch.uint8
+                            or cpu.numel() != torch.get_rng_state().numel()):
+        raise bad("rng", "a dict whose 'cpu' entry is a torch.get_rng_state() tensor")
+    state = obj.get("optimizer_state")
+    if state is not None and not (isinstance(state.get("state"), dict) and isinstance(state.get("param_groups"), list)):
+        raise bad("optimizer_state", "an optimizer state_dict with 'state' and 'param_groups'")
 
 
 def batch_from_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
