@@ -84,5 +84,39 @@ register_remedy(Remedy(
     "y = (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)",
     fix_id="upcast_op"))
 
+register_remedy(Remedy(
+    "fp32-master", "low-precision-params",
+    "fp16/bf16 parameters updated in place: updates below half a unit in the last place round away (and fp16 "
+    "AdamW's eps 1e-8 is 0)",
+    "keep float32 master weights and optimizer state; compute in low precision with autocast",
+    "model = model.float()                                  # instead of model.half() / .to(torch.bfloat16)\n"
+    "with torch.autocast(device_type, dtype=torch.float16):  # low-precision compute, fp32 weights and updates\n"
+    "    loss = model(**batch).loss",
+    fix_id="fp32_master"))
+register_remedy(Remedy(
+    "unscale-before-clip", "loss-scaling-misuse",
+    "gradients clipped (or their norm thresholded) while still multiplied by the loss scale",
+    "unscale the gradients before clipping, then step through the scaler",
+    "scaler.scale(loss).backward()\n"
+    "scaler.unscale_(optimizer)                              # first: the grads are now in their true units\n"
+    "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\n"
+    "scaler.step(optimizer); scaler.update()"))
+register_remedy(Remedy(
+    "fp32-buffer", "must-stay-fp32",
+    "a buffer (frequencies, statistics, a table) cast to the low dtype with the model loses the resolution its "
+    "consumers need",
+    "keep the buffer in float32 after the model cast (and compute what reads it in float32)",
+    "model = model.half()\n"
+    "for name, buf in model.named_buffers():   # restore the fp32 values of the buffers the report names\n"
+    "    if name in KEEP_FP32: buf.data = original[name].float()",
+    fix_id="keep_fp32_buffers"))
+register_remedy(Remedy(
+    "fp8-amax-floor", "fp8-scale",
+    "an fp8 scale from amax 0 (scale = fmax / 0 = inf, 0 * inf = NaN) or from a stale amax history",
+    "floor the amax behind the scale and recompute the scale from the current amax",
+    "amax = torch.clamp(x.abs().amax(), min=torch.finfo(torch.float32).tiny)\n"
+    "scale = torch.finfo(torch.float8_e4m3fn).max / amax",
+    fix_id="fp8_amax_floor"))
+
 
 __all__ = ["REMEDIES", "Remedy", "propose", "register_remedy", "remedies_for"]

@@ -267,7 +267,8 @@ def test_every_remedy_names_a_registered_code_and_fix() -> None:
         assert r.snippet.strip(), r
 
 
-@pytest.mark.parametrize("code", ["underflow", "constant-out-of-range", "overflow"])
+@pytest.mark.parametrize("code", ["underflow", "constant-out-of-range", "overflow", "low-precision-params",
+                                  "loss-scaling-misuse", "must-stay-fp32", "fp8-scale"])
 def test_explain_lists_the_fixes_registered_for_the_code(code: str) -> None:
     res = CliRunner().invoke(main, ["explain", code], env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
