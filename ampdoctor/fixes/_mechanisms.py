@@ -21,7 +21,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ampdoctor.findings import REMEDIES
-from ampdoctor.fixes._actions import FixContext, FixPlan, modules_param, register_fix
+from ampdoctor.fixes._actions import FixContext, FixPlan, _qual, modules_param, register_fix
 from ampdoctor.fixes._scope import LOW_DTYPES, _fname, _get_module, _install_scope, _Scope
 
 _SOFTMAX = {"softmax", "_softmax"}
@@ -97,10 +97,6 @@ class MechanismMode:
             m = _get_module(model, name)
             low = next((t.dtype for t in m.parameters() if t.dtype in LOW_DTYPES), None)
             _install_scope(m, _Scope(mode=modes[self.kind], model_dtype=low))
-
-
-def _qual(mods: list[str]) -> str:
-    return ", ".join(f"`{m or '<root>'}`" for m in mods)
 
 
 @register_fix("log_softmax", summary="compute log(softmax(x)) as log_softmax(x) inside named modules",
