@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ampdoctor.cli import _save_fix
+from ampdoctor.cli._fix import save_fix
 from ampdoctor.fixes import diagnose_and_fix, fix
 from ampdoctor.scenarios import load_scenario
 
@@ -38,7 +38,7 @@ def test_save_writes_code_when_no_weight_changed(tmp_path: Path) -> None:
     report = diagnose_and_fix("bert_unused_pooler", steps=2, until_verified=True)
     result = fix(spec["model"], report)
     out = tmp_path / "fix.out"
-    msg = _save_fix(spec["model"], result, str(out))
+    msg = save_fix(spec["model"], result, str(out))
     assert "changes no weights" in msg and "no state_dict" in msg
     text = out.read_text()
     assert text.startswith("# ampdoctor fix: exclude_unused") and (result.snippet or "") in text
@@ -49,7 +49,7 @@ def test_save_writes_a_state_dict_when_weights_changed(tmp_path: Path) -> None:
     report = diagnose_and_fix("fully_masked_row", steps=2, until_verified=True)
     result = fix(spec["model"], report)  # precision fp16: the fixed copy is cast
     out = tmp_path / "fix.pt"
-    msg = _save_fix(spec["model"], result, str(out))
+    msg = save_fix(spec["model"], result, str(out))
     assert "state_dict is written" in msg
     sd = torch.load(out, weights_only=True)
     assert all(v.dtype == torch.float16 for v in sd.values() if v.is_floating_point())

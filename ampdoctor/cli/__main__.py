@@ -1,0 +1,5 @@
+"""``python -m ampdoctor.cli``: the ``ampdoctor`` command line."""
+
+from ampdoctor.cli import main
+
+main()
