@@ -11,11 +11,12 @@ from typing import Any
 
 import torch
 
-from ampdoctor.findings._common import LOW, dtype_name, feeders, limits, op_base
+from ampdoctor.findings._common import LOW, dtype_name, feeders, limits
 from ampdoctor.findings._context import Context
-from ampdoctor.trace import OpRecord
+from ampdoctor.trace import OpRecord, Role
 
-ADDITIVE = {"add", "sub", "add_", "sub_", "rsub", "clamp", "clamp_min", "clamp_min_", "clamp_"}
+#: literal roles whose flush to 0 removes an offset (an eps added, a clamp floor); read from the op registry
+ADDITIVE = frozenset({Role.ADDEND, Role.BOUND})
 
 
 def in_dtype(v: float, dtype: str) -> float:
@@ -31,9 +32,10 @@ def flushed_literals(ctx: Context) -> list[tuple[OpRecord, float, float, int]]:
     added where the reference holds fewer zeros than the target (the eps meant to keep a value off 0 is gone)."""
     out: list[tuple[OpRecord, float, float, int]] = []
     for r in ctx.records:
-        if r.kind != "op" or op_base(r.op) not in ADDITIVE or dtype_name(r.dtype) not in LOW or not r.scalars:
+        if r.kind != "op" or dtype_name(r.dtype) not in LOW or not r.literals:
             continue
-        lits = [v for v in r.scalars if v != 0 and in_dtype(v, dtype_name(r.dtype)) == 0.0]
+        lits = [v for lit, v in r.literals
+                if lit.role in ADDITIVE and v != 0 and in_dtype(v, dtype_name(r.dtype)) == 0.0]
         if not lits:
             continue
         ref = ctx.ref(r)

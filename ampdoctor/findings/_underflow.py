@@ -48,7 +48,7 @@ def _constants_nearby(recs: list[OpRecord], r: OpRecord) -> list[float]:
 
 def _small_constants(r: OpRecord) -> list[float]:
     floor = limits(r.dtype)[2]
-    return [v for v in r.scalars if v != 0 and math.isfinite(v) and abs(v) < floor / 2]
+    return [v for _, v in r.literals if v != 0 and math.isfinite(v) and abs(v) < floor / 2]
 
 
 @rule("underflow", severity="warning", precedence=42,

@@ -36,7 +36,19 @@ from ampdoctor.trace._dtypes import (
 from ampdoctor.trace._lineage import Lineage, analyse_lineage, is_nonfinite
 from ampdoctor.trace._mode import OpRecord, RecordingMode, _key
 from ampdoctor.trace._modules import ModuleAttribution, iter_tensors
-from ampdoctor.trace._ops import OPS, Bound, Kind, OpInfo, Reduces, op_base, op_info, ops_with
+from ampdoctor.trace._ops import (
+    OPS,
+    Bound,
+    Kind,
+    Literal,
+    OpInfo,
+    Reduces,
+    Role,
+    literal_values,
+    op_base,
+    op_info,
+    ops_with,
+)
 from ampdoctor.trace._stats import CHEAP_FIELDS, FULL_FIELDS, dtype_limits
 
 __all__ = [
@@ -58,8 +70,11 @@ __all__ = [
     "OPS",
     "Bound",
     "Kind",
+    "Literal",
     "OpInfo",
     "Reduces",
+    "Role",
+    "literal_values",
     "op_base",
     "op_info",
     "ops_with",

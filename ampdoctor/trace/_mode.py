@@ -8,6 +8,7 @@ caught by a per-storage writer index, and such an input gets fresh statistics.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -17,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ampdoctor.trace._modules import ModuleAttribution
-from ampdoctor.trace._ops import Kind, ops_with
+from ampdoctor.trace._ops import Kind, Literal, literal_values, op_info, ops_with
 from ampdoctor.trace._stats import (
     BOUNDED_OPS,
     CHEAP_FIELDS,
@@ -49,7 +50,7 @@ class OpRecord:
 
     __slots__ = (
         "index", "op", "module", "phase", "step", "node", "dtype", "shape", "inputs", "row", "kind",
-        "src", "scalars", "name", "stats", "input_dtypes", "out_pos", "align",
+        "src", "scalars", "literals", "name", "stats", "input_dtypes", "out_pos", "align",
     )
 
     def __init__(self, index: int, op: str, module: str, phase: str, step: int, node: str, dtype: torch.dtype,
@@ -67,6 +68,8 @@ class OpRecord:
         self.kind = kind
         self.src: tuple[str, int] | None = None
         self.scalars: tuple[float, ...] = ()
+        #: the op's declared literal arguments this call passed as numbers (``trace._ops.literal_values``)
+        self.literals: tuple[tuple[Literal, float], ...] = ()
         self.name = ""
         self.stats: dict[str, float] = {}
         self.input_dtypes: tuple[str, ...] = ()
@@ -74,6 +77,12 @@ class OpRecord:
 
     def __repr__(self) -> str:
         return f"OpRecord(#{self.index} {self.op} module={self.module!r} {self.phase} {self.dtype} {self.shape})"
+
+
+@functools.cache
+def _arg_names(func: Any) -> tuple[str, ...]:
+    """The schema argument names of an op overload (where its literals sit), cached."""
+    return tuple(a.name for a in func._schema.arguments)
 
 
 def _key(t: torch.Tensor) -> tuple[Any, ...] | None:
@@ -371,7 +380,9 @@ class RecordingMode(TorchDispatchMode):
         bounded = BOUNDED_OPS.get(base) if full else None
         src = _user_frame() if full and phase == "forward" else None
         scalars: tuple[float, ...] = ()
+        literals: tuple[tuple[Literal, float], ...] = ()
         if full:
+            literals = literal_values(base, args, kwargs, _arg_names(func)) if op_info(base).literals else ()
             scalars = tuple(
                 float(a) for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)
             ) + tuple(float(v) for v in kwargs.values() if isinstance(v, (int, float)) and not isinstance(v, bool))
@@ -390,7 +401,7 @@ class RecordingMode(TorchDispatchMode):
                     and self.records[alias_of].dtype == t.dtype and self.records[alias_of].kind != "alloc":
                 src_rec = self.records[alias_of]
                 rec.row = src_rec.row  # same elements: same statistics, no extra reductions
-                rec.src, rec.scalars, rec.input_dtypes = src, scalars, in_dtypes
+                rec.src, rec.scalars, rec.literals, rec.input_dtypes = src, scalars, literals, in_dtypes
             elif uninit:
                 rec.kind = "alloc"
                 row = _placeholder(t, len(FULL_FIELDS) if full else len(CHEAP_FIELDS))
@@ -400,6 +411,7 @@ class RecordingMode(TorchDispatchMode):
             elif full:
                 rec.src = src
                 rec.scalars = scalars
+                rec.literals = literals
                 rec.input_dtypes = in_dtypes
                 if phase == "optimizer" and not self.headroom:
                     row = _safe(lite_stats, t, self.scratch)

@@ -9,6 +9,15 @@ An op is named by its aten base name (``aten.mm.default`` -> ``"mm"``). :func:`d
 ('addmm', <Reduces.INNER_1: 'inner_1'>)
 >>> op_info("tanh").bound.text, "clone" in ops_with(Kind.SAME_ELEMENTS), "clone" in ops_with(Kind.VIEW)
 ('±1', True, False)
+
+Which arguments are literals (:class:`Literal`): a fill value, a clamp bound, a norm's ``eps``, a Scalar addend
+or factor.
+:func:`literal_values` reads them from one call's arguments (the trace stores them as ``OpRecord.literals``):
+
+>>> [(lit.name, lit.role.value) for lit in op_info("masked_fill").literals]
+[('value', 'fill')]
+>>> literal_values("native_layer_norm", (None, [8], None, None, 1e-5), {})
+((Literal(name='eps', position=4, role=<Role.EPS: 'eps'>), 1e-05),)
 """
 
 from __future__ import annotations
@@ -17,7 +26,8 @@ import enum
 from dataclasses import dataclass, field
 from functools import cache
 
-__all__ = ["Bound", "Kind", "OpInfo", "Reduces", "declare", "op_base", "op_info", "ops_with", "OPS"]
+__all__ = ["Bound", "Kind", "Literal", "OpInfo", "Reduces", "Role", "declare", "literal_values", "op_base", "op_info",
+           "ops_with", "OPS"]
 
 
 class Kind(enum.Enum):
@@ -59,6 +69,25 @@ class Bound:
     text: str
 
 
+class Role(enum.Enum):
+    """What a literal argument does to the op's result."""
+
+    FILL = "fill"          # written into the output as is (masked_fill value, fill_, full, where's scalar)
+    BOUND = "bound"        # a clamp bound: outputs beyond it become it
+    EPS = "eps"            # added to a statistic to keep it off 0 (layer/rms/batch/group norm eps)
+    ADDEND = "addend"      # a Scalar added or subtracted (``x + 1e-10``, ``1 - x``): an eps that must not flush
+    FACTOR = "factor"      # a Scalar multiplier or divisor (``x * 0.5``, ``x / 8.0``)
+
+
+@dataclass(frozen=True)
+class Literal:
+    """A literal argument of an op: its schema name, its position in the aten call, its :class:`Role`."""
+
+    name: str
+    position: int
+    role: Role
+
+
 @dataclass(frozen=True)
 class OpInfo:
     """The numerics of one aten op family."""
@@ -67,19 +96,23 @@ class OpInfo:
     kinds: frozenset[Kind] = field(default_factory=frozenset)
     reduces: Reduces | None = None
     bound: Bound | None = None
+    literals: tuple[Literal, ...] = ()
 
 
 #: every declared op by aten base name
 OPS: dict[str, OpInfo] = {}
 
 
-def declare(name: str, *kinds: Kind, reduces: Reduces | None = None, bound: Bound | None = None) -> OpInfo:
+def declare(name: str, *kinds: Kind, reduces: Reduces | None = None, bound: Bound | None = None,
+            literals: tuple[Literal, ...] = ()) -> OpInfo:
     """Declare op ``name``; a second declaration of the same name raises ``ValueError``."""
     if name in OPS:
         raise ValueError(f"op {name!r} is already declared ({OPS[name]}); declare each op once, with all its kinds")
     if (Kind.BOUNDED in kinds) != (bound is not None):
         raise ValueError(f"op {name!r}: a bounded op needs bound=..., and only a bounded op has one")
-    info = OpInfo(name, frozenset(kinds), reduces, bound)
+    if len({lit.position for lit in literals}) != len(literals):
+        raise ValueError(f"op {name!r}: two literals at one position in {literals}")
+    info = OpInfo(name, frozenset(kinds), reduces, bound, tuple(literals))
     OPS[name] = info
     ops_with.cache_clear()
     return info
@@ -105,7 +138,31 @@ def ops_with(kind: Kind) -> frozenset[str]:
     return frozenset(n for n, i in OPS.items() if kind in i.kinds)
 
 
+def literal_values(name: str, args: tuple, kwargs: dict,
+                   arg_names: tuple[str, ...] | None = None) -> tuple[tuple[Literal, float], ...]:
+    """``(literal, value)`` for each declared literal of op ``name`` that this call passes as a Python number
+    (by position or by keyword); a tensor or ``None`` in that place is not a literal. ``arg_names``: the called
+    overload's schema argument names, when known (an overload can place a literal elsewhere:
+    ``_native_batch_norm_legit.no_stats`` has ``eps`` at 5, not 7). No host sync."""
+    out: list[tuple[Literal, float]] = []
+    for lit in op_info(name).literals:
+        pos = lit.position
+        if arg_names is not None:
+            if lit.name not in arg_names:
+                continue
+            pos = arg_names.index(lit.name)
+        v = args[pos] if pos < len(args) else kwargs.get(lit.name)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out.append((lit, float(v)))
+    return tuple(out)
+
+
+def _lits(*spec: tuple[str, int, Role]) -> tuple[Literal, ...]:
+    return tuple(Literal(n, p, r) for n, p, r in spec)
+
+
 K = Kind
+R = Role
 # ------------------------------------------------------------------------------------ memory views and copies
 for _n in ("view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "permute", "detach", "alias",
            "unsqueeze", "squeeze", "flatten", "unflatten", "view_as", "lift_fresh"):
@@ -130,7 +187,7 @@ declare("_softmax", K.BOUNDED, K.SOFTMAX, reduces=Reduces.ROW, bound=_SOFTMAX_BO
 declare("softmax", K.BOUNDED, K.SOFTMAX, reduces=Reduces.ROW, bound=_SOFTMAX_BOUND)
 for _n in ("_log_softmax", "log_softmax", "_safe_softmax"):
     declare(_n, K.SOFTMAX, reduces=Reduces.ROW)
-for _n in ("native_layer_norm", "native_group_norm", "cumsum", "logsumexp"):
+for _n in ("cumsum", "logsumexp"):
     declare(_n, reduces=Reduces.ROW)
 
 # ------------------------------------------------------------------------------------ matmuls and convolutions
@@ -150,15 +207,54 @@ declare("linalg_vector_norm", K.NORM_STATISTIC, reduces=Reduces.RATIO)
 declare("norm", K.NORM_STATISTIC, reduces=Reduces.RATIO)
 for _n in ("std", "prod", "amax"):
     declare(_n, reduces=Reduces.RATIO)
-for _n in ("sub", "add", "rsub", "addcmul", "addcdiv", "lerp"):
+_ADDEND = _lits(("other", 1, R.ADDEND))
+_FACTOR = _lits(("other", 1, R.FACTOR))
+for _n in ("sub", "add", "rsub"):
+    declare(_n, K.CANCELLING, literals=_ADDEND)
+for _n in ("addcmul", "addcdiv", "lerp"):
     declare(_n, K.CANCELLING)
-for _n in ("pow", "mul", "square"):
+declare("mul", K.NORM_STATISTIC, literals=_FACTOR)
+for _n in ("pow", "square"):
     declare(_n, K.NORM_STATISTIC)
 declare("sqrt", K.NORM_SCALE)
 for _n in ("rsqrt", "reciprocal"):
     declare(_n, K.NORM_SCALE, K.POLE)
-for _n in ("log", "log2", "log10", "div", "true_divide"):
+for _n in ("log", "log2", "log10"):
     declare(_n, K.POLE)
+for _n in ("div", "true_divide"):
+    declare(_n, K.POLE, literals=_FACTOR)
 for _n in ("sin", "cos"):
     declare(_n, K.PERIODIC)
-del _n, K
+
+# ------------------------------------------------------------------------------------ literal arguments
+# (aten schemas: ``masked_fill.Scalar(self, mask, value)``, ``clamp(self, min, max)``,
+# ``native_layer_norm(input, normalized_shape, weight, bias, eps)``, ``native_batch_norm(..., momentum, eps)``)
+for _n in ("add_", "sub_"):  # in-place arithmetic: the same Scalar operand, no other kind
+    declare(_n, literals=_ADDEND)
+for _n in ("mul_", "div_"):
+    declare(_n, literals=_FACTOR)
+for _n in ("masked_fill", "masked_fill_"):
+    declare(_n, literals=_lits(("value", 2, R.FILL)))
+for _n in ("fill", "fill_", "full_like"):
+    declare(_n, literals=_lits(("value" if _n != "full_like" else "fill_value", 1, R.FILL)))
+declare("full", literals=_lits(("fill_value", 1, R.FILL)))
+declare("new_full", literals=_lits(("fill_value", 2, R.FILL)))
+for _n in ("index_fill", "index_fill_"):
+    declare(_n, literals=_lits(("value", 3, R.FILL)))
+declare("where", literals=_lits(("self", 1, R.FILL), ("other", 2, R.FILL)))
+for _n in ("clamp", "clamp_", "clip", "clip_"):
+    declare(_n, literals=_lits(("min", 1, R.BOUND), ("max", 2, R.BOUND)))
+for _n in ("clamp_min", "clamp_min_"):
+    declare(_n, literals=_lits(("min", 1, R.BOUND)))
+for _n in ("clamp_max", "clamp_max_"):
+    declare(_n, literals=_lits(("max", 1, R.BOUND)))
+declare("native_layer_norm", reduces=Reduces.ROW, literals=_lits(("eps", 4, R.EPS)))
+declare("layer_norm", literals=_lits(("eps", 4, R.EPS)))
+declare("native_group_norm", reduces=Reduces.ROW, literals=_lits(("eps", 7, R.EPS)))
+declare("group_norm", literals=_lits(("eps", 4, R.EPS)))
+for _n in ("rms_norm", "_fused_rms_norm"):
+    declare(_n, literals=_lits(("eps", 3, R.EPS)))
+for _n in ("native_batch_norm", "_native_batch_norm_legit", "batch_norm"):
+    declare(_n, literals=_lits(("eps", 7, R.EPS)))
+declare("_native_batch_norm_legit_no_training", literals=_lits(("eps", 6, R.EPS)))
+del _n, K, R
