@@ -53,9 +53,6 @@ BIG_MODULES_ALLOWED: dict[str, str] = {
 
 #: functions over the size limit today without a ``# long:`` comment, with the owning area (only shrinks)
 LONG_ALLOWED: dict[str, str] = {
-    "findings/_fp32_rules.py:_declared": "core (issue 12.3)",
-    "findings/_fp32_rules.py:_rope": "core (issue 12.3)",
-    "findings/_training_rules.py:low_precision_params": "core (issue 12.3)",
     "fixes/_verify.py:run_curve": "runner-fixes (issue 12.1)",
     "fixes/_verify.py:_verify_plan": "runner-fixes (issue 12.1)",
     "precision/_runner.py:run": "runner-fixes (issue 12.1)",

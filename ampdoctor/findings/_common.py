@@ -31,6 +31,8 @@ from ampdoctor.trace._lineage import is_nonfinite
 
 #: the low-precision formats (the dtype table's ``low_precision``: fp16, bf16 and the fp8 formats)
 LOW = frozenset(name for name, info in DTYPES.items() if info.low_precision)
+#: the 16-bit formats (fp16, bf16): parameters held in them lose small updates (fp8 parameters are fp8-scale's)
+HALF = frozenset(name for name, info in DTYPES.items() if info.low_precision and info.bits == 16)
 #: ops whose output holds (a subset of) the values of their inputs: a zero or a bound passes through unchanged
 ALIAS_OPS = ops_with(Kind.VIEW) | ops_with(Kind.COPY) | ops_with(Kind.JOIN)
 #: ops whose output holds the values of their first input, unchanged (repeated at most)
@@ -175,7 +177,8 @@ def feeders(records: list[OpRecord], record: OpRecord, depth: int, follow: Any =
 
 
 __all__ = [
-    "ALIAS_OPS", "BOUNDS", "CANCEL_OPS", "CASTS", "LOW", "SAME_VALUE_OPS", "all_zero", "base_evidence", "bf16_fix",
+    "ALIAS_OPS", "BOUNDS", "CANCEL_OPS", "CASTS", "HALF", "LOW", "SAME_VALUE_OPS", "all_zero", "base_evidence",
+    "bf16_fix",
     "counts_known", "dtype_name", "feeders", "finite", "fmt", "group_by_owner", "is_low", "keep_fp32_fix", "limits",
     "op_base", "rel", "spacing_below_one", "src_text", "unit_roundoff", "where",
 ]

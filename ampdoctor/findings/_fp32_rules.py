@@ -18,6 +18,7 @@ from typing import Any
 from ampdoctor.findings._common import (
     ALIAS_OPS,
     CASTS,
+    HALF,
     base_evidence,
     bf16_fix,
     dtype_name,
@@ -113,12 +114,17 @@ def _declared_fixes(module: str, precision: str | None, ran_in: Any) -> tuple[Fi
 
 
 def _declared(ctx: Context) -> list[Candidate]:
+    """Modules (and parameters) the model declares float32 that run (or are held) in 16-bit precision."""
     loose, strict = list(ctx.target.keep_fp32), _strict_entries(ctx)
     if not loose and not strict:
         return []
-    out: list[Candidate] = []
-    low = _low_ops_by_root(ctx, loose, strict)
-    # 1) a declared-fp32 module is where a harmful overflow or a precision loss starts: the declaration is the fix
+    out, reported = _declared_causes(ctx, loose, strict)
+    warnings, covered = _declared_in_half(ctx, loose, strict, reported)
+    return out + warnings + _declared_params(ctx, loose, strict, covered)
+
+
+def _declared_cause_records(ctx: Context) -> list[tuple[OpRecord, str]]:
+    """Where a harmful overflow, a cancellation NaN or a precision loss starts, with what happens there."""
     causes: list[tuple[OpRecord, str]] = []
     for o in ctx.harmful_origins():
         r = o.record
@@ -130,11 +136,17 @@ def _declared(ctx: Context) -> list[Candidate]:
         at = cancel or o.record
         causes.append((at, "loses its leading digits to cancellation and the NaN that follows "
                            + (o.reasons[0] if o.reasons else "spreads")))
-    err = ctx.relative_errors
     for r, e, inh, *_ in ctx.precision_loss_records:
         causes.append((r, f"deviates {e - inh:.1%} from fp32 beyond what its inputs carried (error {e:.1%})"))
+    return causes
+
+
+def _declared_causes(ctx: Context, loose: list[str], strict: list[str]) -> tuple[list[Candidate], set[str]]:
+    """1) a declared-fp32 module is where a failure starts: the declaration is the fix (one error per root)."""
+    out: list[Candidate] = []
     reported: set[str] = set()
-    for r, what in causes:
+    err = ctx.relative_errors
+    for r, what in _declared_cause_records(ctx):
         entries = _entries_for(r.dtype, loose, strict)
         root = declared_root(entries, r.module)
         if root is None or root in reported:
@@ -160,46 +172,63 @@ def _declared(ctx: Context) -> list[Candidate]:
             "must-stay-fp32", "error", r.module, r.op, r.phase,
             f"{root} is declared float32 but runs in {dtype_name(r.dtype)}", expl, ev,
             _declared_fixes(root, ctx.spec.precision, r.dtype), r.step), r.index))
-    # 2) no failure: declared modules running in half are one warning per declaration entry
+    return out, reported
+
+
+def _declared_in_half(ctx: Context, loose: list[str], strict: list[str],
+                      reported: set[str]) -> tuple[list[Candidate], set[str]]:
+    """2) no failure: declared modules running in half are one warning per declaration entry not already an
+    error; returns them and every declared root seen (``reported`` included)."""
+    low = _low_ops_by_root(ctx, loose, strict)
     by_entry: dict[str, list[str]] = {}
     for root in sorted(low, key=lambda m: low[m][0].index):
         entries = _entries_for(low[root][0].dtype, loose, strict)
         entry = next(e for e in entries if _components_match(e, root) > 0)
         by_entry.setdefault(entry, []).append(root)
+    out: list[Candidate] = []
     covered = set(reported)
     for entry, roots in by_entry.items():
         covered.update(roots)
         if any(_components_match(entry, m) > 0 for m in reported):
             continue  # the error above already names this declaration
-        recs = [x for m in roots for x in low[m]]
-        r = min(recs, key=lambda x: x.index)
-        top = max(recs, key=lambda x: x.stats.get("absmax", 0.0))
-        ref = ctx.ref(top)
-        fmax = limits(r.dtype)[0]
-        ev = base_evidence(r)
-        entries = _entries_for(r.dtype, loose, strict)
-        ev.update({"declared_fp32": entries, "matched_entry": entry, "declared_by": _attr(entry, strict),
-                   "declared_module": roots[0], "modules": roots,
-                   "ran_in": dtype_name(r.dtype), "low_precision_ops": len(recs), "ops": sorted({x.op for x in recs}),
-                   "format_max": fmax, "absmax": top.stats.get("absmax")})
-        if ref is not None:
-            ev["ref_absmax"] = ref.stats.get("absmax")
-            ev["headroom"] = fmax / max(ref.stats.get("absmax", 0.0), 1e-30)
-        many = f" and {len(roots) - 1} more module(s) matching {entry!r}" if len(roots) > 1 else ""
-        expl = (f"The model declares {entry!r} float32 ({_attr(entry, strict)} = {entries}), but {roots[0]}{many} run "
-                f"{len(recs)} op(s) in {dtype_name(r.dtype)}, starting with {where(r)}. Nothing failed in this step: "
-                f"|max| {fmt(top.stats.get('absmax', 0.0))} in {top.module} against {dtype_name(r.dtype)}'s max "
-                f"{fmt(fmax)}. The model's authors keep it in float32 because its values outgrow the format on real "
-                "(e.g. bf16-pretrained) weights.")
-        out.append(Candidate(Finding(
-            "must-stay-fp32", "warning", roots[0], r.op, "forward",
-            f"{roots[0]}{' (+' + str(len(roots) - 1) + ')' if len(roots) > 1 else ''} declared float32 but runs in "
-            f"{dtype_name(r.dtype)}", expl, ev, _declared_fixes(roots[0], ctx.spec.precision, r.dtype), r.step),
-            r.index))
-    # 3) declared parameters (an entry naming a parameter, e.g. "query_tokens") held in half
+        out.append(_declared_warning(ctx, entry, roots, [x for m in roots for x in low[m]], loose, strict))
+    return out, covered
+
+
+def _declared_warning(ctx: Context, entry: str, roots: list[str], recs: list[OpRecord], loose: list[str],
+                      strict: list[str]) -> Candidate:
+    r = min(recs, key=lambda x: x.index)
+    top = max(recs, key=lambda x: x.stats.get("absmax", 0.0))
+    ref = ctx.ref(top)
+    fmax = limits(r.dtype)[0]
+    ev = base_evidence(r)
+    entries = _entries_for(r.dtype, loose, strict)
+    ev.update({"declared_fp32": entries, "matched_entry": entry, "declared_by": _attr(entry, strict),
+               "declared_module": roots[0], "modules": roots,
+               "ran_in": dtype_name(r.dtype), "low_precision_ops": len(recs), "ops": sorted({x.op for x in recs}),
+               "format_max": fmax, "absmax": top.stats.get("absmax")})
+    if ref is not None:
+        ev["ref_absmax"] = ref.stats.get("absmax")
+        ev["headroom"] = fmax / max(ref.stats.get("absmax", 0.0), 1e-30)
+    many = f" and {len(roots) - 1} more module(s) matching {entry!r}" if len(roots) > 1 else ""
+    expl = (f"The model declares {entry!r} float32 ({_attr(entry, strict)} = {entries}), but {roots[0]}{many} run "
+            f"{len(recs)} op(s) in {dtype_name(r.dtype)}, starting with {where(r)}. Nothing failed in this step: "
+            f"|max| {fmt(top.stats.get('absmax', 0.0))} in {top.module} against {dtype_name(r.dtype)}'s max "
+            f"{fmt(fmax)}. The model's authors keep it in float32 because its values outgrow the format on real "
+            "(e.g. bf16-pretrained) weights.")
+    return Candidate(Finding(
+        "must-stay-fp32", "warning", roots[0], r.op, "forward",
+        f"{roots[0]}{' (+' + str(len(roots) - 1) + ')' if len(roots) > 1 else ''} declared float32 but runs in "
+        f"{dtype_name(r.dtype)}", expl, ev, _declared_fixes(roots[0], ctx.spec.precision, r.dtype), r.step),
+        r.index)
+
+
+def _declared_params(ctx: Context, loose: list[str], strict: list[str], covered: set[str]) -> list[Candidate]:
+    """3) declared parameters (an entry naming a parameter, e.g. "query_tokens") held in half."""
+    out: list[Candidate] = []
     for name, dt in ctx.target.param_dtypes.items():
         entries = _entries_for(dt, loose, strict)
-        if dt in ("float16", "bfloat16") and any(_components_match(e, name) > 0 for e in entries):
+        if dt in HALF and any(_components_match(e, name) > 0 for e in entries):
             owner = ctx.target.owners.get(name, "")
             if declared_root(entries, owner) in covered or declared_root(entries, name) in covered:
                 continue  # its module is already reported
@@ -228,11 +257,9 @@ TRIG_ERROR_LIMIT = 1.0
 def _rope(ctx: Context) -> list[Candidate]:
     """Low-precision floating buffers feeding sin/cos (rotary frequencies)."""
     recs = ctx.records
-    err = ctx.relative_errors
     buffers = _buffer_names(ctx)
     out: list[Candidate] = []
     seen_leaf: set[int] = set()
-    seen_names: set[str] = set()
     for r, leaf in ctx.trig_buffer_sources:
         if leaf.index in seen_leaf:
             continue
@@ -240,53 +267,62 @@ def _rope(ctx: Context) -> list[Candidate]:
         arg = recs[r.inputs[0]] if r.inputs and r.inputs[0] >= 0 else None
         ref_arg = ctx.ref(arg) if arg is not None else None
         angle = (ref_arg or arg).stats.get("absmax", 0.0) if arg is not None else 0.0
-        lref = ctx.ref(leaf)
-        name = ""
-        for n, b in buffers:
-            if tuple(b.shape) == leaf.shape and (lref is None or abs(
-                    float(b.detach().float().norm()) - lref.stats.get("norm", 0.0)) <= 1e-3 * (
-                    lref.stats.get("norm", 0.0) + 1e-12)):
-                name = n
-                break
-        if name:
-            seen_names.add(name)
-        dt = dtype_name(leaf.dtype)
-        u = unit_roundoff(leaf.dtype)
-        exact = 2 ** round(-math.log2(u))  # significant bits p = -log2(u): integers exact up to 2**p
-        consumer = next((c for c in recs[leaf.index + 1:] if leaf.index in c.inputs), None)
-        at = consumer or r
-        ev = base_evidence(at)
-        ev.update({"buffer": name or f"<buffer of shape {list(leaf.shape)}>", "buffer_dtype": dt,
-                   "max_angle": angle, "angle_error_bound": angle * u, "unit_roundoff": u,
-                   "integers_exact_up_to": exact, "trig_op": r.op})
-        e = err.get(r.index)
-        if e is not None and math.isfinite(e):
-            ev["trig_relative_error"] = e
-        expl = (f"The floating buffer {ev['buffer']} feeds {op_base(r.op)} in {r.module or '<root>'} (a rotary "
-                f"embedding's frequencies) and is stored in {dt}: each frequency carries a relative rounding "
-                f"error up to u = {fmt(u)}, so the angle position * freq is off by up to {fmt(angle * u)} rad at "
-                f"the largest angle {fmt(angle)} (upcasting the buffer later does not restore the lost bits). "
-                f"{dt} holds integers exactly only up to {exact}: positions beyond it are not exact either.")
-        if "trig_relative_error" in ev:
-            expl += f" The {op_base(r.op)} output deviates {ev['trig_relative_error']:.1%} from fp32."
-        owner = at.module or leaf.module
-        fixes = (
-            FixProposal("keep the frequency buffer in float32 after casting the model (recompute it in fp32)",
-                        "model.to(torch.bfloat16)\nrope.inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, "
-                        "dtype=torch.float32) / dim))", id="keep_fp32_buffers",
-                        params={"buffers": [name] if name else [], "modules": [owner] if owner else []}),
-            FixProposal("use autocast instead of casting the model: buffers then stay float32",
-                        "with torch.autocast(device_type, dtype=torch.bfloat16):\n    loss = model(**batch).loss",
-                        id="switch_precision",
-                        params={"precision": "bf16-amp" if dt == "bfloat16" else "fp16-amp"}),
-        )
-        # the rounding can move the angle by more than TRIG_ERROR_LIMIT radians: sin/cos are then meaningless (an
-        # error, ranked before what it feeds); below that (short positions) it is a warning about latent drift
-        severity = "error" if angle * u > TRIG_ERROR_LIMIT else "warning"
-        out.append(Candidate(Finding(
-            "must-stay-fp32", severity, owner, at.op, "forward",
-            f"rotary frequencies {ev['buffer']} stored in {dt}", expl, ev, fixes, at.step), at.index))
+        out.append(_rope_candidate(ctx, r, leaf, angle, _buffer_name(buffers, leaf, ctx.ref(leaf))))
     return out
+
+
+def _buffer_name(buffers: list[tuple[str, Any]], leaf: OpRecord, lref: OpRecord | None) -> str:
+    """The model buffer a traced leaf is: same shape and (when the reference has it) the same norm."""
+    for n, b in buffers:
+        if tuple(b.shape) == leaf.shape and (lref is None or abs(
+                float(b.detach().float().norm()) - lref.stats.get("norm", 0.0)) <= 1e-3 * (
+                lref.stats.get("norm", 0.0) + 1e-12)):
+            return n
+    return ""
+
+
+def _rope_fixes(name: str, owner: str, dt: str) -> tuple[FixProposal, ...]:
+    return (
+        FixProposal("keep the frequency buffer in float32 after casting the model (recompute it in fp32)",
+                    "model.to(torch.bfloat16)\nrope.inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, "
+                    "dtype=torch.float32) / dim))", id="keep_fp32_buffers",
+                    params={"buffers": [name] if name else [], "modules": [owner] if owner else []}),
+        FixProposal("use autocast instead of casting the model: buffers then stay float32",
+                    "with torch.autocast(device_type, dtype=torch.bfloat16):\n    loss = model(**batch).loss",
+                    id="switch_precision",
+                    params={"precision": "bf16-amp" if dt == "bfloat16" else "fp16-amp"}),
+    )
+
+
+def _rope_candidate(ctx: Context, r: OpRecord, leaf: OpRecord, angle: float, name: str) -> Candidate:
+    """The finding for buffer ``leaf`` feeding trig op ``r`` at largest angle ``angle``."""
+    dt = dtype_name(leaf.dtype)
+    u = unit_roundoff(leaf.dtype)
+    exact = 2 ** round(-math.log2(u))  # significant bits p = -log2(u): integers exact up to 2**p
+    consumer = next((c for c in ctx.records[leaf.index + 1:] if leaf.index in c.inputs), None)
+    at = consumer or r
+    ev = base_evidence(at)
+    ev.update({"buffer": name or f"<buffer of shape {list(leaf.shape)}>", "buffer_dtype": dt,
+               "max_angle": angle, "angle_error_bound": angle * u, "unit_roundoff": u,
+               "integers_exact_up_to": exact, "trig_op": r.op})
+    e = ctx.relative_errors.get(r.index)
+    if e is not None and math.isfinite(e):
+        ev["trig_relative_error"] = e
+    expl = (f"The floating buffer {ev['buffer']} feeds {op_base(r.op)} in {r.module or '<root>'} (a rotary "
+            f"embedding's frequencies) and is stored in {dt}: each frequency carries a relative rounding "
+            f"error up to u = {fmt(u)}, so the angle position * freq is off by up to {fmt(angle * u)} rad at "
+            f"the largest angle {fmt(angle)} (upcasting the buffer later does not restore the lost bits). "
+            f"{dt} holds integers exactly only up to {exact}: positions beyond it are not exact either.")
+    if "trig_relative_error" in ev:
+        expl += f" The {op_base(r.op)} output deviates {ev['trig_relative_error']:.1%} from fp32."
+    owner = at.module or leaf.module
+    # the rounding can move the angle by more than TRIG_ERROR_LIMIT radians: sin/cos are then meaningless (an
+    # error, ranked before what it feeds); below that (short positions) it is a warning about latent drift
+    severity = "error" if angle * u > TRIG_ERROR_LIMIT else "warning"
+    return Candidate(Finding(
+        "must-stay-fp32", severity, owner, at.op, "forward",
+        f"rotary frequencies {ev['buffer']} stored in {dt}", expl, ev, _rope_fixes(name, owner, dt), at.step),
+        at.index)
 
 
 def _norm_stats(ctx: Context) -> list[Candidate]:

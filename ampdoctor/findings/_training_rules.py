@@ -7,15 +7,13 @@ from typing import Any
 
 import torch
 
-from ampdoctor.findings._common import base_evidence, bf16_fix, dtype_name, fmt, limits, op_base, where
+from ampdoctor.findings._common import HALF, base_evidence, bf16_fix, dtype_name, fmt, limits, op_base, where
 from ampdoctor.findings._context import Context
 from ampdoctor.findings._registry import RUN_END, RUN_FP8_SCALES, RUN_PARAMS, SETUP_CRASH, Candidate, Order, rule
 from ampdoctor.findings._types import Finding, FixProposal
-from ampdoctor.trace import DTYPES, OpRecord
+from ampdoctor.trace import DTYPES, OpRecord, dtype_info
 
-#: the 16-bit formats: parameters held in them lose small updates (fp8 parameters are fp8-scale's)
-HALF = frozenset(n for n, i in DTYPES.items() if i.low_precision and i.bits == 16)
-FP8 = {"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
+FP8 = frozenset(n for n, i in DTYPES.items() if i.fp8)
 
 
 def _master_fix() -> FixProposal:
@@ -33,42 +31,59 @@ def low_precision_params(ctx: Context) -> list[Candidate]:
     ``eps=1e-8`` is 0 in fp16 and ``grad**2`` underflows, so ``m / (sqrt(v) + eps)`` divides by zero and the
     weights become inf/NaN. Mixed precision keeps fp32 master weights for exactly this reason."""
     out: list[Candidate] = []
-    t = ctx.target
-    recs = ctx.records
     seen: set[str] = set()
     # 1) a harmful origin inside the optimizer step on low-precision parameters / state
     for o in ctx.harmful_origins():
         r = o.record
-        if r.phase != "optimizer" or dtype_name(r.dtype) not in HALF or not r.module:
-            continue
-        if r.module in seen:
+        if r.phase != "optimizer" or dtype_name(r.dtype) not in HALF or not r.module or r.module in seen:
             continue
         seen.add(r.module)
-        ev: dict[str, Any] = base_evidence(r)
-        eps = t.optimizer_info.get("defaults", {}).get("eps")
-        ev["optimizer"] = t.optimizer_info.get("type", "")
-        if isinstance(eps, float):
-            ev["eps"] = eps
-            ev["eps_in_dtype"] = _round_to(eps, dtype_name(r.dtype))
-        zeros = [recs[i] for i in r.inputs if i >= 0 and recs[i].stats.get("n_zero", 0) > 0]
-        ev["zero_inputs"] = len(zeros)
-        expl = (f"{where(r)} updates {dtype_name(r.dtype)} parameters of {r.module} and produces "
-                f"{int(r.stats['n_nan'])} NaN / {int(r.stats['n_posinf'] + r.stats['n_neginf'])} inf from finite "
-                "inputs: the optimizer's arithmetic runs in the parameters' low precision.")
-        if isinstance(eps, float):
-            expl += (f" Its eps={eps:g} is {fmt(ev['eps_in_dtype'])} in {dtype_name(r.dtype)} (smallest subnormal "
-                     f"{fmt(limits(r.dtype)[2])}), so the denominator sqrt(v) + eps is 0 where grad**2 underflowed.")
-        fixes = (_master_fix(),
-                 FixProposal("if the weights must stay low precision, use an eps the dtype can hold",
-                             "torch.optim.Adam(params, eps=1e-4)  # fp16 holds 1e-4, not 1e-8"))
-        # rank with the first optimizer op on this module in that step: the flushed grad**2 that precedes the
-        # division belongs to the same cause
-        first = min((x.index for x in recs if x.phase == "optimizer" and x.step == r.step and x.module == r.module),
-                    default=r.index)
-        out.append(Candidate(Finding("low-precision-params", "error", r.module, r.op, "optimizer",
-                                     f"{r.module}: optimizer step on {dtype_name(r.dtype)} parameters overflows",
-                                     expl, ev, fixes, r.step), first))
+        out.append(_optimizer_overflow(ctx, r))
     # 2) updates rounded away
+    out.extend(_lost_updates(ctx, seen))
+    return out
+
+
+def _optimizer_overflow(ctx: Context, r: OpRecord) -> Candidate:
+    """An inf/NaN the optimizer step computes from finite inputs in the parameters' 16-bit dtype."""
+    t, recs = ctx.target, ctx.records
+    ev: dict[str, Any] = base_evidence(r)
+    eps = t.optimizer_info.get("defaults", {}).get("eps")
+    ev["optimizer"] = t.optimizer_info.get("type", "")
+    if isinstance(eps, float):
+        ev["eps"] = eps
+        ev["eps_in_dtype"] = _round_to(eps, dtype_name(r.dtype))
+    zeros = [recs[i] for i in r.inputs if i >= 0 and recs[i].stats.get("n_zero", 0) > 0]
+    ev["zero_inputs"] = len(zeros)
+    expl = (f"{where(r)} updates {dtype_name(r.dtype)} parameters of {r.module} and produces "
+            f"{int(r.stats['n_nan'])} NaN / {int(r.stats['n_posinf'] + r.stats['n_neginf'])} inf from finite "
+            "inputs: the optimizer's arithmetic runs in the parameters' low precision.")
+    if isinstance(eps, float):
+        expl += (f" Its eps={eps:g} is {fmt(ev['eps_in_dtype'])} in {dtype_name(r.dtype)} (smallest subnormal "
+                 f"{fmt(limits(r.dtype)[2])}), so the denominator sqrt(v) + eps is 0 where grad**2 underflowed.")
+    fixes = (_master_fix(),
+             FixProposal("if the weights must stay low precision, use an eps the dtype can hold",
+                         "torch.optim.Adam(params, eps=1e-4)  # fp16 holds 1e-4, not 1e-8"))
+    # rank with the first optimizer op on this module in that step: the flushed grad**2 that precedes the
+    # division belongs to the same cause
+    first = min((x.index for x in recs if x.phase == "optimizer" and x.step == r.step and x.module == r.module),
+                default=r.index)
+    return Candidate(Finding("low-precision-params", "error", r.module, r.op, "optimizer",
+                             f"{r.module}: optimizer step on {dtype_name(r.dtype)} parameters overflows",
+                             expl, ev, fixes, r.step), first)
+
+
+def _ulp_at_1(dt: str) -> float:
+    """The spacing of ``dt`` at 1.0 (bf16 2**-7, fp16 2**-10; fp16's for an unknown name)."""
+    info = dtype_info(dt)
+    return 2 * info.unit_roundoff if info is not None and info.bits == 16 else 2.0 ** -10
+
+
+def _lost_updates(ctx: Context, seen: set[str]) -> list[Candidate]:
+    """Parameters whose nonzero-gradient elements mostly did not change (updates below half an ulp), where fp32
+    keeps them; one finding per owning module not in ``seen`` (which it extends)."""
+    out: list[Candidate] = []
+    t = ctx.target
     ref_lost = ctx.reference.update_lost if ctx.reference is not None else []
     for step, lost in enumerate(t.update_lost):
         for name, frac in lost.items():
@@ -80,9 +95,8 @@ def low_precision_params(ctx: Context) -> list[Candidate]:
                 continue  # fp32 loses them too: the gradients are zero, not the rounding
             seen.add(owner)
             dt = t.param_dtypes.get(name, "")
-            ev = {"parameter": name, "dtype": dt, "fraction_lost": frac, "step": step,
-                                  "ulp_at_1": 2.0 ** -7 if dt == "bfloat16" else 2.0 ** -10,
-                                  "optimizer": t.optimizer_info.get("type", "")}
+            ev: dict[str, Any] = {"parameter": name, "dtype": dt, "fraction_lost": frac, "step": step,
+                                  "ulp_at_1": _ulp_at_1(dt), "optimizer": t.optimizer_info.get("type", "")}
             if ref_frac is not None:
                 ev["fraction_lost_fp32"] = ref_frac
             lr = t.optimizer_info.get("defaults", {}).get("lr")
