@@ -58,7 +58,6 @@ LONG_ALLOWED: dict[str, str] = {
     "precision/_runner.py:run": "runner-fixes (issue 12.1)",
     "precision/_spec.py:make_spec": "reliability (issue 16)",
     "report/html.py:_range_figure": "perf (issue 18)",
-    "trace/_mode.py:RecordingMode.__torch_dispatch__": "perf (issue 18)",
     "watch/_guard.py:Watch._setup": "watch (issue 12.4)",
     "diagnose_generate.py:diagnose_generate": "inference (issue 17)",
 }

@@ -12,6 +12,7 @@ import functools
 import math
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,7 +27,6 @@ from ampdoctor.trace._stats import (
     HEADROOM_FORMATS,
     Scratch,
     cheap_stats,
-    flush_counts,
     full_stats,
     lite_stats,
 )
@@ -101,7 +101,7 @@ def _flat(obj: Any, out: list[torch.Tensor]) -> None:
             _flat(o, out)
 
 
-def _safe(fn: Any, t: torch.Tensor, *extra: Any) -> torch.Tensor:
+def _safe(fn: Any, t: torch.Tensor, *extra: Any, width: int | None = None) -> Any:
     """Statistics must never break the user's step: on failure, a row of NaN marks the record unknown.
 
     They run outside every other mode (torch-function modes such as the precision emulation, dispatch modes
@@ -113,7 +113,7 @@ def _safe(fn: Any, t: torch.Tensor, *extra: Any) -> torch.Tensor:
                     return fn(t, *extra)
             return fn(t, *extra)
     except Exception:  # noqa: BLE001 - observation must not raise into user code
-        n = len(CHEAP_FIELDS) if fn is cheap_stats else len(FULL_FIELDS)
+        n = width if width is not None else len(CHEAP_FIELDS) if fn is cheap_stats else len(FULL_FIELDS)
         return torch.full((n,), math.nan, dtype=torch.float64, device=t.device)
 
 
@@ -122,11 +122,10 @@ def _placeholder(t: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.float64, device=t.device)
 
 
-def _safe_flush(t: torch.Tensor, scratch: Scratch) -> torch.Tensor:
-    try:
-        return flush_counts(t, scratch)
-    except Exception:  # noqa: BLE001 - observation must not raise into user code
-        return torch.full((len(HEADROOM_FORMATS),), math.nan, dtype=torch.float64, device=t.device)
+def _scalars(args: Any, kwargs: dict[str, Any]) -> tuple[float, ...]:
+    """The op's Python number arguments (``alpha``, ``scale``, ``eps``...), positional then keyword."""
+    return tuple(float(a) for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)) + tuple(
+        float(v) for v in kwargs.values() if isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
 def _user_frame() -> tuple[str, int] | None:
@@ -137,6 +136,21 @@ def _user_frame() -> tuple[str, int] | None:
             return fn, f.f_lineno
         f = f.f_back
     return None
+
+
+@dataclass(frozen=True)
+class _OpContext:
+    """What every floating output of one full-tier op shares: the op, where it ran, its inputs and arguments."""
+
+    info: tuple[str, str, bool, bool]  # RecordingMode._op_info: name, base name, returns a view, mutates
+    node: Any
+    phase: str
+    module: str
+    in_idx: tuple[int, ...]
+    src: tuple[str, int] | None
+    scalars: tuple[float, ...]
+    literals: tuple[tuple[Literal, float], ...]
+    in_dtypes: tuple[str, ...]
 
 
 class RecordingMode(TorchDispatchMode):
@@ -213,9 +227,7 @@ class RecordingMode(TorchDispatchMode):
         elif kind == "param" and not self.headroom:
             row = _safe(lite_stats, t, self.scratch)
         else:
-            row = _safe(full_stats, t, None, self.scratch)
-        if self.full and self.headroom:
-            row = torch.cat([row, _safe_flush(t, self.scratch)])
+            row = self._full_row(t, None)
         self.rows.append(row)
         self.records.append(rec)
         if key is not None:
@@ -346,20 +358,20 @@ class RecordingMode(TorchDispatchMode):
             return func(*args, **kwargs)
         if not self.full:
             return self._cheap(func, args, kwargs)
+        return self._full_op(func, args, kwargs)
+
+    def _full_op(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """The full tier: link the op's floating inputs to their records, run it, record its floating outputs."""
         node = _current_node()
         phase = self._phase(node)
         ins: list[torch.Tensor] = []
         _flat(args, ins)
+        write_only = self._write_only(func)
         for k, v in kwargs.items():
-            if k not in self._write_only(func):  # ``out=`` buffers are not inputs: their memory is not data yet
+            if k not in write_only:  # ``out=`` buffers are not inputs: their memory is not data yet
                 _flat(v, ins)
         module = self._module(node, phase, ins)
-        full = self.full
-        in_idx: tuple[int, ...] = ()
-        if full:
-            in_idx = tuple(
-                self._input_index(t, phase, module) for t in ins if t.is_floating_point() and not t.is_meta
-            )
+        in_idx = tuple(self._input_index(t, phase, module) for t in ins if t.is_floating_point() and not t.is_meta)
         try:
             out = func(*args, **kwargs)
         except Exception as e:
@@ -367,68 +379,57 @@ class RecordingMode(TorchDispatchMode):
             raise
         outs: list[torch.Tensor] = []
         _flat(out, outs)
-        op, base, _view, mutated = self._op_info(func)
-        if not outs and mutated:
+        if not outs and self._op_info(func)[3]:
             self._written(func, args, kwargs, outs)
-        if not outs:
-            return out
-        node_name = type(node).__name__ if node is not None else ""
+        if outs:
+            base = self._op_info(func)[1]
+            literals = literal_values(base, args, kwargs, _arg_names(func)) if op_info(base).literals else ()
+            ctx = _OpContext(self._op_info(func), node, phase, module, in_idx,
+                             _user_frame() if phase == "forward" else None, _scalars(args, kwargs), literals,
+                             tuple(str(t.dtype).replace("torch.", "") for t in ins if t.is_floating_point()))
+            for pos, t in enumerate(outs):
+                if t.is_floating_point() and not t.is_meta:
+                    self._record_output(ctx, pos, t, len(outs))
+        return out
+
+    def _record_output(self, ctx: _OpContext, pos: int, t: torch.Tensor, n_outs: int) -> None:
+        """One floating output of a full-tier op: a record, its statistics row (or a shared or placeholder one)."""
+        op, base, view, mutated = ctx.info
+        in_idx, phase = ctx.in_idx, ctx.phase
+        idx = len(self.records)
+        mod = (self._module(ctx.node, phase, [t]) or ctx.module) if phase == "optimizer" and n_outs > 1 \
+            else ctx.module
+        rec = OpRecord(idx, op, mod, phase, self.step, type(ctx.node).__name__ if ctx.node is not None else "",
+                       t.dtype, tuple(t.shape), in_idx, self._row_base + len(self.rows))
+        rec.out_pos = pos
+        first = self.records[in_idx[0]] if in_idx and in_idx[0] >= 0 else None
         # uninitialised memory and views of it (collective outputs keep their statistics: the rank agreement in
         # ampdoctor.precision._distributed reads them and tolerates either side of the asynchronous update)
-        uninit = base in UNINITIALISED or (
-            _view and bool(in_idx) and in_idx[0] >= 0 and self.records[in_idx[0]].kind == "alloc")
-        bounded = BOUNDED_OPS.get(base) if full else None
-        src = _user_frame() if full and phase == "forward" else None
-        scalars: tuple[float, ...] = ()
-        literals: tuple[tuple[Literal, float], ...] = ()
-        if full:
-            literals = literal_values(base, args, kwargs, _arg_names(func)) if op_info(base).literals else ()
-            scalars = tuple(
-                float(a) for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)
-            ) + tuple(float(v) for v in kwargs.values() if isinstance(v, (int, float)) and not isinstance(v, bool))
-            in_dtypes = tuple(str(t.dtype).replace("torch.", "") for t in ins if t.is_floating_point())
-        for pos, t in enumerate(outs):
-            if not t.is_floating_point() or t.is_meta:
-                continue
-            idx = len(self.records)
-            mod = self._module(node, phase, [t]) or module if phase == "optimizer" and len(outs) > 1 else module
-            rec = OpRecord(idx, op, mod, phase, self.step, node_name, t.dtype, tuple(t.shape), in_idx,
-                           self._row_base + len(self.rows))
-            rec.out_pos = pos
-            alias_of = in_idx[0] if (full and base in ALIASES and len(outs) == 1 and len(in_idx) >= 1
-                                     and in_idx[0] >= 0 and not self.headroom) else -1
-            if alias_of >= 0 and self.records[alias_of].row >= self._row_base \
-                    and self.records[alias_of].dtype == t.dtype and self.records[alias_of].kind != "alloc":
-                src_rec = self.records[alias_of]
-                rec.row = src_rec.row  # same elements: same statistics, no extra reductions
-                rec.src, rec.scalars, rec.literals, rec.input_dtypes = src, scalars, literals, in_dtypes
-            elif uninit:
-                rec.kind = "alloc"
-                row = _placeholder(t, len(FULL_FIELDS) if full else len(CHEAP_FIELDS))
-                if full and self.headroom:
-                    row = torch.cat([row, _placeholder(t, len(HEADROOM_FORMATS))])
-                self.rows.append(row)
-            elif full:
-                rec.src = src
-                rec.scalars = scalars
-                rec.literals = literals
-                rec.input_dtypes = in_dtypes
-                if phase == "optimizer" and not self.headroom:
-                    row = _safe(lite_stats, t, self.scratch)
-                else:
-                    row = _safe(full_stats, t, bounded, self.scratch)
-                if self.headroom:
-                    row = torch.cat([row, _safe_flush(t, self.scratch)])
-                self.rows.append(row)
+        uninit = base in UNINITIALISED or (view and first is not None and first.kind == "alloc")
+        if (first is not None and base in ALIASES and n_outs == 1 and not self.headroom
+                and first.row >= self._row_base and first.dtype == t.dtype and first.kind != "alloc"):
+            rec.row = first.row  # same elements: same statistics, no extra reductions
+            rec.src, rec.scalars, rec.literals, rec.input_dtypes = ctx.src, ctx.scalars, ctx.literals, ctx.in_dtypes
+        elif uninit:
+            rec.kind = "alloc"
+            self.rows.append(_placeholder(t, len(FULL_FIELDS) + (len(HEADROOM_FORMATS) if self.headroom else 0)))
+        else:
+            rec.src, rec.scalars, rec.literals, rec.input_dtypes = ctx.src, ctx.scalars, ctx.literals, ctx.in_dtypes
+            if phase == "optimizer" and not self.headroom:
+                self.rows.append(_safe(lite_stats, t, self.scratch))
             else:
-                self.rows.append(_safe(cheap_stats, t))
-            self.records.append(rec)
-            key = _key(t)
-            if key is not None:
-                self.producer[key] = idx
-                if mutated:
-                    self.storage_writer[key[0]] = idx
-        return out
+                self.rows.append(self._full_row(t, BOUNDED_OPS.get(base)))
+        self.records.append(rec)
+        key = _key(t)
+        if key is not None:
+            self.producer[key] = idx
+            if mutated:
+                self.storage_writer[key[0]] = idx
+
+    def _full_row(self, t: torch.Tensor, bounded: str | None) -> Any:
+        """Full statistics of ``t`` (+ flush counts in headroom mode): a device row or a host list."""
+        width = len(FULL_FIELDS) + (len(HEADROOM_FORMATS) if self.headroom else 0)
+        return _safe(full_stats, t, bounded, self.scratch, self.headroom, width=width)
 
     # -- read back -----------------------------------------------------------------------------------------
     def read(self) -> None:
@@ -441,10 +442,13 @@ class RecordingMode(TorchDispatchMode):
         rows, base = self.rows, self._row_base
         if rows:
             values: list[list[float]] = [[] for _ in rows]
-            if self.full:
+            if self.full:  # host lists (CPU statistics) as they are, tensor rows stacked per device and read once
                 by_dev: dict[Any, list[int]] = {}
                 for i, r in enumerate(rows):
-                    by_dev.setdefault(r.device, []).append(i)
+                    if isinstance(r, list):
+                        values[i] = r
+                    else:
+                        by_dev.setdefault(r.device, []).append(i)
                 for idxs in by_dev.values():
                     mat = torch.stack([rows[i] for i in idxs]).cpu().tolist()
                     for i, v in zip(idxs, mat):

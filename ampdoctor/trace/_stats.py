@@ -57,7 +57,7 @@ class Scratch:
     ROWS_PER_BLOCK = 2048
 
     def __init__(self) -> None:
-        self._float: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._float: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
         self._bool: dict[torch.device, torch.Tensor] = {}
         self._rows: dict[tuple[torch.device, int], list[Any]] = {}
 
@@ -72,8 +72,9 @@ class Scratch:
         block[1] += 1
         return row
 
-    def floats(self, x: torch.Tensor) -> torch.Tensor:
-        key = (x.device, x.dtype)
+    def floats(self, x: torch.Tensor, slot: int = 0) -> torch.Tensor:
+        """A buffer shaped like ``x`` (uninitialised); ``slot`` picks one of several live at once."""
+        key = (x.device, x.dtype, slot)
         buf = self._float.get(key)
         if buf is None or buf.numel() < x.numel():
             buf = torch.empty(max(x.numel(), 1024), dtype=x.dtype, device=x.device)
@@ -119,28 +120,40 @@ def _prepare(t: torch.Tensor) -> tuple[torch.Tensor, torch.finfo]:
     return x, finfo
 
 
-#: CPU tensors with at least this many elements take :func:`_full_stats_finite_cpu` when they are all finite.
-CPU_FAST_MIN = 1 << 16
-#: Elements per chunk of :func:`_full_stats_finite_cpu` (1 MiB of float32: the scratch stays in cache).
+#: Devices whose tensors take the host path (:func:`_host_row`, :func:`lite_stats`): reading a CPU value back is
+#: no device sync, and a host list costs a few float passes where the reduction path costs a dozen small ops. Every
+#: other device takes the reduction path, which never reads a value back during the step.
+HOST_DEVICES: frozenset[str] = frozenset({"cpu"})
+#: Elements per chunk of the host path (1 MiB of float32: the scratch stays in cache).
 CPU_CHUNK = 1 << 18
 
 
-def full_stats(t: torch.Tensor, bounded: str | None = None, scratch: Scratch | None = None) -> torch.Tensor:
-    """Full statistics of ``t`` as a float64 vector in :data:`FULL_FIELDS` order.
+def full_stats(t: torch.Tensor, bounded: str | None = None, scratch: Scratch | None = None,
+               flush: bool = False) -> torch.Tensor | list[float]:
+    """Full statistics of ``t`` in :data:`FULL_FIELDS` order (+ :func:`flush_counts` if ``flush``).
 
-    No host sync on an accelerator. A large CPU tensor (where reading a value back is no sync) is first checked
-    for non-finite values, and an all-finite one skips the counts known to be zero: same numbers, a third of the
-    passes over memory and a chunk-sized scratch."""
+    No host sync on an accelerator: a float64 tensor row, read back once per step. A CPU tensor (where reading a
+    value back is no sync) takes :func:`_host_row` when it is all finite: the same numbers as a host list, from
+    two to five float passes instead of a dozen reductions and comparisons."""
     x, finfo = _prepare(t)
     n = x.numel()
     dev = x.device
     if n == 0:
-        return torch.tensor([0.0, math.inf, 0, 0, 0, 0, 0, 0, 0, 0, 0], dtype=torch.float64, device=dev)
+        row = torch.tensor([0.0, math.inf, 0, 0, 0, 0, 0, 0, 0, 0, 0], dtype=torch.float64, device=dev)
+        return torch.cat([row, flush_counts(t, scratch)]) if flush else row
     sc = scratch if scratch is not None else Scratch()
-    if n >= CPU_FAST_MIN and dev.type == "cpu":
-        values = _full_stats_finite_cpu(x, finfo, bounded, sc)
+    if dev.type in HOST_DEVICES and not (flush and x.dtype == torch.float64):
+        values = _host_row(x, finfo, bounded, sc, flush)
         if values is not None:
-            return _row(scratch, None, values, dev)
+            return values
+    row = _row(scratch, _device_row(x, finfo, bounded, sc), None, dev)
+    return torch.cat([row, flush_counts(t, sc)]) if flush else row
+
+
+def _device_row(x: torch.Tensor, finfo: torch.finfo, bounded: str | None, sc: Scratch) -> list[torch.Tensor]:
+    """:data:`FULL_FIELDS` of a contiguous non-empty tensor as 0-d tensors: no host read (any device, any value)."""
+    n = x.numel()
+    dev = x.device
     b = sc.bools(x)
     a = torch.abs(x, out=sc.floats(x))
     cnt = torch.count_nonzero
@@ -165,75 +178,87 @@ def full_stats(t: torch.Tensor, bounded: str | None = None, scratch: Scratch | N
     norm = torch.linalg.vector_norm(a, dtype=torch.float64 if a.dtype == torch.float64 else torch.float32)
     a.masked_fill_(torch.eq(a, 0, out=b), math.inf)
     min_nz = a.amin()
-    parts = [absmax, min_nz, n_nan, n_posinf, n_neginf, n_zero, n_sub, n_at_max,
-             torch.full((), float(n), device=dev), norm, n_lim]
-    return _row(scratch, parts, None, dev)
+    return [absmax, min_nz, n_nan, n_posinf, n_neginf, n_zero, n_sub, n_at_max,
+            torch.full((), float(n), device=dev), norm, n_lim]
 
 
-def _full_stats_finite_cpu(x: torch.Tensor, finfo: torch.finfo, bounded: str | None,
-                           sc: Scratch) -> list[float] | None:
+def _host_row(x: torch.Tensor, finfo: torch.finfo, bounded: str | None, sc: Scratch,
+              flush: bool) -> list[float] | None:
     """:func:`full_stats` values of a contiguous CPU tensor that holds no inf or NaN; ``None`` if it holds any.
 
-    Walks ``x`` in chunks of :data:`CPU_CHUNK` elements: ``abs`` into a chunk-sized scratch buffer (still in cache)
-    and one ``aminmax`` of it decide everything else, since a non-finite value shows in its max (NaN propagates),
-    a zero in its min. Counts known to be zero (non-finite, zeros, values at the max, subnormals) are skipped and
-    the norm is one pass over ``x`` (``|x|**2 == x**2``, same order): every number is bit-identical to the general
-    path, and the scratch stays at chunk size however large ``x`` is."""
+    Walks ``x`` in chunks of :data:`CPU_CHUNK` elements: ``abs`` into a chunk-sized scratch buffer and one
+    ``aminmax`` of it decide everything else, since a non-finite value shows in its max (NaN propagates), a zero in
+    its min, a subnormal or a flush-to-zero candidate in the smallest nonzero magnitude. Counts known to be zero
+    are skipped; zeros are counted and masked with float ops (``sign``, a sum, one ``add``), several times faster
+    on CPU than comparisons into a bool mask. The norm is one pass over ``x`` (``|x|**2 == x**2``, same order):
+    every number is bit-identical to :func:`_device_row` (and :func:`flush_counts`)."""
     flat = x.reshape(-1)
     n = flat.numel()
-    tiny, fmax = finfo.tiny, finfo.max
-    cnt = torch.count_nonzero
     absmax, min_nz = 0.0, math.inf
-    n_zero = n_sub = n_at_max = n_lim = 0
+    counts = [0, 0, 0, 0]  # zeros, subnormals, at max, at the op's bound
+    flushed = [0] * len(HEADROOM_FORMATS)
     for start in range(0, n, CPU_CHUNK):
-        xc = flat[start:start + CPU_CHUNK]
-        b = sc.bools(xc)
+        xc = flat[start:start + CPU_CHUNK] if n > CPU_CHUNK else flat
         a = torch.abs(xc, out=sc.floats(xc))
         mn, mx = torch.aminmax(a)
         lo, hi = mn.item(), mx.item()
         if not math.isfinite(hi):
             return None
         absmax = max(absmax, hi)
-        if bounded == "abs1":
-            n_lim += int(cnt(torch.eq(a, 1, out=b)))
-        elif bounded in ("01", "1"):
-            n_lim += int(cnt(torch.eq(xc, 1, out=b)))
-        if hi >= fmax:
-            n_at_max += int(cnt(torch.eq(a, fmax, out=b)))
-        if lo == 0.0:
-            zeros = a.numel() - int(cnt(a))
-            n_zero += zeros
-            if zeros == a.numel():
-                continue
-            a.masked_fill_(torch.eq(a, 0, out=b), math.inf)
-            lo = a.amin().item()
-        min_nz = min(min_nz, lo)
-        if lo < tiny:
-            n_sub += int(cnt(torch.lt(a, tiny, out=b)))
+        min_nz = min(min_nz, _chunk_counts(xc, a, lo, hi, finfo, bounded, sc, counts, flushed if flush else None))
     if bounded == "01":
-        n_lim += n_zero
+        counts[3] += counts[0]
     norm = torch.linalg.vector_norm(flat, dtype=torch.float64 if flat.dtype == torch.float64 else torch.float32)
-    return [absmax, min_nz, 0.0, 0.0, 0.0, float(n_zero), float(n_sub), float(n_at_max), float(n), norm.item(),
-            float(n_lim)]
+    row = [absmax, min_nz, 0.0, 0.0, 0.0, float(counts[0]), float(counts[1]), float(counts[2]), float(n),
+           norm.item(), float(counts[3])]
+    return row + [float(f) for f in flushed] if flush else row
 
 
-def lite_stats(t: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
+def _chunk_counts(xc: torch.Tensor, a: torch.Tensor, lo: float, hi: float, finfo: torch.finfo, bounded: str | None,
+                  sc: Scratch, counts: list[int], flushed: list[int] | None) -> float:
+    """Add one finite chunk's counts (``a = |xc|``, ``lo``/``hi`` its range) into ``counts`` and ``flushed``;
+    return the chunk's smallest nonzero magnitude (inf if none)."""
+    cnt = torch.count_nonzero
+    if bounded == "abs1":
+        counts[3] += int(cnt(torch.eq(a, 1, out=sc.bools(a))))
+    elif bounded in ("01", "1"):
+        counts[3] += int(cnt(torch.eq(xc, 1, out=sc.bools(a))))
+    if hi >= finfo.max:
+        counts[2] += int(cnt(torch.eq(a, finfo.max, out=sc.bools(a))))
+    zeros = 0
+    if lo == 0.0:
+        s = torch.sign(a, out=sc.floats(a, 1))  # 1 where nonzero, 0 where zero
+        zeros = a.numel() - int(s.sum(dtype=torch.float32).item())  # exact: a chunk has < 2**24 elements
+        counts[0] += zeros
+        if zeros == a.numel():
+            return math.inf
+        lo = torch.add(a, s.sub_(1), alpha=-finfo.max, out=s).amin().item()  # zeros read as the max
+    if lo < finfo.tiny:
+        counts[1] += int(cnt(torch.lt(a, finfo.tiny, out=sc.bools(a)))) - zeros
+    if flushed is not None:
+        a32 = a if a.dtype == torch.float32 else a.float()
+        for i, (_, _, th) in enumerate(HEADROOM_FORMATS):
+            if lo < th:  # only a nonzero magnitude below the threshold can flush
+                flushed[i] += int(cnt(torch.lt(a32, th, out=sc.bools(a32)))) - zeros
+    return lo
+
+
+def lite_stats(t: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor | list[float]:
     """:data:`FULL_FIELDS` from one ``aminmax`` pass: the range and which kinds of non-finite values occur
     (counted as 0/1). Counts it cannot know (zeros, subnormals, values at the max, the norm) read 0 and
     ``min_nonzero`` reads inf, so no count-based rule fires on them. Used for optimizer-phase outputs and
-    parameter leaves, where full counts would cost more than the optimizer step itself. A large CPU tensor reads
-    the pair back and builds the row in one call instead of a dozen small tensor ops (same numbers)."""
+    parameter leaves, where full counts would cost more than the optimizer step itself. A CPU tensor reads the pair
+    back and returns the row as a host list instead of a dozen small tensor ops (same numbers)."""
     x, _ = _prepare(t)
     dev = x.device
     if x.numel() == 0:
         return torch.tensor([0.0, math.inf, 0, 0, 0, 0, 0, 0, 0, 0, 0], dtype=torch.float64, device=dev)
     mn, mx = torch.aminmax(x)
-    if x.numel() >= CPU_FAST_MIN and dev.type == "cpu":
+    if dev.type in HOST_DEVICES:
         lo, hi = mn.item(), mx.item()
         has_nan = lo != lo or hi != hi
-        return _row(scratch, None, [0.0 if has_nan else max(abs(lo), abs(hi)), math.inf, float(has_nan),
-                                    float(hi == math.inf), float(lo == -math.inf), 0.0, 0.0, 0.0, float(x.numel()),
-                                    0.0, 0.0], dev)
+        return [0.0 if has_nan else max(abs(lo), abs(hi)), math.inf, float(has_nan), float(hi == math.inf),
+                float(lo == -math.inf), 0.0, 0.0, 0.0, float(x.numel()), 0.0, 0.0]
     mn, mx = mn.to(torch.float64), mx.to(torch.float64)
     nan = (mn != mn) | (mx != mx)
     absmax = torch.where(nan, torch.zeros((), dtype=torch.float64, device=dev), torch.maximum(mn.abs(), mx.abs()))

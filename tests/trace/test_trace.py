@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import ampdoctor
-from ampdoctor.trace import CHEAP_FIELDS, FULL_FIELDS, dtype_limits
+from ampdoctor.trace import CHEAP_FIELDS, FULL_FIELDS, _stats, dtype_limits
 
 INF, NAN = math.inf, math.nan
 AMPDOCTOR_DIR = os.path.dirname(os.path.abspath(ampdoctor.__file__))
@@ -208,7 +208,8 @@ def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 @pytest.mark.parametrize("full", [False, True])
-def test_no_host_read_during_the_step_and_one_per_result(host_reads, full):
+def test_no_host_read_during_the_step_and_one_per_result(host_reads, full, monkeypatch):
+    monkeypatch.setattr(_stats, "HOST_DEVICES", frozenset())  # as on an accelerator: CPU takes the device path
     model, opt = _model()
     x = torch.randn(4, 8)
     with ampdoctor.trace(model, opt, full=full) as t:
@@ -222,9 +223,33 @@ def test_no_host_read_during_the_step_and_one_per_result(host_reads, full):
     assert len(host_reads) == 1 and len(again.records) == len(res.records)
 
 
+def test_cpu_host_path_reads_only_in_the_statistics(host_reads):
+    """On CPU (no device to sync with) the full tier's statistics read their few values back as they go; nothing
+    else does, and the records' statistics are the ones the device path gives."""
+    torch.manual_seed(0)
+    model, opt = _model()
+    x = torch.randn(4, 8)
+    with ampdoctor.trace(model, opt, full=True) as t:
+        _step(model, opt, x)
+    assert host_reads and all(r.split(" from ")[1].startswith("_stats.py") for r in host_reads), host_reads
+    host = [r.stats for r in t.result().records]
+    _stats_off = pytest.MonkeyPatch()
+    _stats_off.setattr(_stats, "HOST_DEVICES", frozenset())
+    try:
+        torch.manual_seed(0)
+        model2, opt2 = _model()
+        with ampdoctor.trace(model2, opt2, full=True) as t2:
+            _step(model2, opt2, x)
+        device = [r.stats for r in t2.result().records]
+    finally:
+        _stats_off.undo()
+    assert host == device
+
+
 @pytest.mark.parametrize("full", [False, True])
-def test_result_per_step_inside_the_block(host_reads, full):
+def test_result_per_step_inside_the_block(host_reads, full, monkeypatch):
     """Reading once per step while the trace stays active: one read each, and the read itself is not traced."""
+    monkeypatch.setattr(_stats, "HOST_DEVICES", frozenset())  # as on an accelerator
     model, opt = _model()
     x = torch.randn(4, 8)
     with ampdoctor.trace(model, opt, full=full) as t:

@@ -1,0 +1,79 @@
+"""The CPU host path of the full statistics gives the same numbers, bit for bit, as the device path.
+
+``full_stats`` on a CPU tensor takes a host path (few float passes, counts skipped when the range proves them zero);
+any other device takes the reduction path that never reads a value back. Both must agree exactly on every field, for
+every kind of value a rule counts: zeros, subnormals, values at the dtype's max, bounded outputs, flush-to-zero
+candidates, and on chunked (large) tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ampdoctor.trace import _stats
+from ampdoctor.trace._stats import FULL_FIELDS, HEADROOM_FORMATS, Scratch, full_stats
+
+
+def _device_path(t: torch.Tensor, bounded: str | None, flush: bool) -> list[float]:
+    x, finfo = _stats._prepare(t)
+    row = torch.stack([p.to(torch.float64) for p in _stats._device_row(x, finfo, bounded, Scratch())])
+    if flush:
+        row = torch.cat([row, _stats.flush_counts(t)])
+    return row.tolist()
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 33, 65, generator=g)
+    relu = torch.relu(x)
+    tiny = torch.finfo(torch.float32).tiny
+    sub = x * tiny  # many subnormals
+    sub[0, 0, :5] = 0
+    at_max = x.clone()
+    at_max[1, 2, :3] = torch.finfo(torch.float32).max
+    at_max[1, 3, :2] = 0
+    soft = torch.softmax(x * 40, dim=-1)  # exact 1s and exact 0s
+    tanh = torch.tanh(x * 30)
+    big = torch.relu(torch.randn(_stats.CPU_CHUNK * 2 + 17, generator=g))  # three chunks, zeros in each
+    big[_stats.CPU_CHUNK + 5] = 1e-42
+    half = (x * 1e-5).half()  # fp16 subnormals and zeros, flush candidates for every format
+    return {"randn": x, "relu": relu, "subnormal": sub, "at_max": at_max, "softmax": soft, "tanh": tanh,
+            "chunked": big, "fp16": half, "bf16": (x * 1e-30).bfloat16(), "zeros": torch.zeros(7, 9),
+            "fp64": x.double() * 1e-310, "strided": x.transpose(0, 2), "e4m3": (x * 1e-3).to(torch.float8_e4m3fn)}
+
+
+@pytest.mark.parametrize("name", list(_tensors()))
+@pytest.mark.parametrize("bounded", [None, "abs1", "01", "1"])
+@pytest.mark.parametrize("flush", [False, True])
+def test_host_path_is_bitwise_the_device_path(name: str, bounded: str | None, flush: bool) -> None:
+    t = _tensors()[name]
+    host = full_stats(t, bounded, Scratch(), flush)
+    ref = _device_path(t, bounded, flush)
+    got = host if isinstance(host, list) else host.tolist()
+    assert len(got) == len(FULL_FIELDS) + (len(HEADROOM_FORMATS) if flush else 0)
+    assert got == ref, {f: (a, b) for f, a, b in zip(FULL_FIELDS, got, ref) if a != b}
+
+
+def test_host_path_taken_and_counts_nonzero() -> None:
+    """The cases above exercise the counts (a path that skipped them would also agree on all-zero counts)."""
+    t = _tensors()
+    rows = {k: full_stats(v, "1", Scratch(), True) for k, v in t.items()}
+    field = {f: i for i, f in enumerate(FULL_FIELDS)}
+    assert all(isinstance(rows[k], list) for k in ("randn", "relu", "subnormal", "chunked", "fp16", "bf16"))
+    assert rows["relu"][field["n_zero"]] > 1000 and rows["chunked"][field["n_zero"]] > 100_000
+    assert rows["subnormal"][field["n_subnormal"]] > 1000 and rows["chunked"][field["n_subnormal"]] == 1
+    assert rows["at_max"][field["n_at_max"]] == 3 and rows["softmax"][field["n_at_limit"]] > 10
+    assert sum(rows["fp16"][len(FULL_FIELDS):]) > 0 and rows["fp16"][field["n_subnormal"]] > 0  # fp8 would flush
+    assert rows["zeros"][field["min_nonzero"]] == math.inf
+
+
+def test_non_finite_falls_back_to_the_device_path() -> None:
+    x = torch.randn(100)
+    x[3], x[4], x[5] = math.inf, -math.inf, math.nan
+    row = full_stats(x, None, Scratch())
+    assert not isinstance(row, list)
+    field = {f: i for i, f in enumerate(FULL_FIELDS)}
+    assert [row[field[k]].item() for k in ("n_nan", "n_posinf", "n_neginf")] == [1.0, 1.0, 1.0]
