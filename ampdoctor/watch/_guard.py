@@ -26,7 +26,7 @@ from ampdoctor.watch._options import KINDS, ON_ANOMALY, AnomalyError, OnAnomaly,
 from ampdoctor.watch._params import unwrap_optimizer
 from ampdoctor.watch._payload import build_payload, copy_without_hooks
 from ampdoctor.watch._policy import Anomaly, AnomalyPolicy
-from ampdoctor.watch._ranks import RankAgreement
+from ampdoctor.watch._ranks import RankAgreement, is_sharded
 from ampdoctor.watch._report import build_report, precision_of
 from ampdoctor.watch._scaler import GradScalerView
 from ampdoctor.watch._sinks import ScalarSink, Sinks
@@ -72,6 +72,7 @@ class Watch:
         self._policy = AnomalyPolicy(options, self._sinks, payload=self._payload, copy_model=self._copy_model,
                                      skip_step=self._tracker.drop_grads)
         self._tracker.policy = self._policy
+        self._policy.sharded = is_sharded(model)
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> Watch:
@@ -81,7 +82,8 @@ class Watch:
         self._health.active = True
         try:
             self._tracker.setup()
-            self._policy.ranks = RankAgreement.create(self.model, self.options.on_anomaly)   # collective
+            self._policy.ranks = RankAgreement.create(self.model, self.options.on_anomaly,   # collective
+                                                      self.options.ranks)
             if self.options.tensorboard is not None:
                 self._sinks.open_tensorboard(os.fspath(self.options.tensorboard))
             self._health.ready = True
@@ -100,6 +102,11 @@ class Watch:
                 except Exception as e:  # noqa: BLE001
                     self._health.disable(e)
             deferred = deferred or self._policy.deferred or self._policy.take_pending()
+            if self._health.working and self._policy.ranks is not None:
+                try:
+                    self._policy.ranks.finish()     # the last table: a wait, no new collective
+                except Exception as e:  # noqa: BLE001
+                    self._health.disable(e)
         finally:
             try:
                 self._tracker.remove_hooks()    # removes every hook even when one fails, then re-raises
@@ -213,7 +220,7 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
           scaler: torch.amp.GradScaler | None = None, *, on_anomaly: OnAnomaly = "warn",
           reproducer_dir: str | os.PathLike[str] | None = None, coverage_steps: int = 3,
           grad_spike_factor: float = 10.0, tensorboard: str | os.PathLike[str] | None = None,
-          collapse_steps: int = 3, source: str = "", locate: bool = True) -> Watch:
+          collapse_steps: int = 3, source: str = "", locate: bool = True, ranks: bool = True) -> Watch:
     """Guard a training loop you wrote yourself; a context manager returning a :class:`Watch`.
 
     >>> with ampdoctor.watch(model, optimizer, scaler, reproducer_dir="repro") as w:     # doctest: +SKIP
@@ -247,9 +254,9 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     GradScaler-skipped steps); ``"skip"`` sets every gradient of the optimizer to ``None`` before a step with
     non-finite loss/gradients or a norm spike, so built-in optimizers leave parameters and state untouched (as
     GradScaler does); ``"replay"`` is ``"warn"`` with ``locate`` forced on. Under DDP/FSDP (process group of 2+
-    ranks), ``"raise"`` and ``"skip"`` are agreed: every rank raises, or skips the update, when any rank must
-    (one 2-integer ``all_reduce`` per optimizer step on a group of the watch's own; see
-    :mod:`ampdoctor.watch._ranks`), so no rank waits and the replicas stay equal. With ``reproducer_dir``, the first
+    ranks; ``ranks=False`` turns it off) the ranks exchange one tiny table per optimizer step on a group of the
+    watch's own (:mod:`ampdoctor.watch._ranks`): every report names the rank that saw the first non-finite value
+    (``origin_rank``), and ``"raise"``/``"skip"`` happen on every rank together. With ``reproducer_dir``, the first
     anomaly of each kind is written there (see :mod:`ampdoctor.watch._reproducer`). ``tensorboard``: a log dir
     for scalars (needs ``pip install tensorboard``). ``source``: a scenario/script path stored in reproducers.
     Bad options (an unknown ``on_anomaly``, an unwritable directory, TensorBoard missing) raise here.
@@ -267,7 +274,7 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
 
     opts = WatchOptions(on_anomaly=on_anomaly, reproducer_dir=path(reproducer_dir), coverage_steps=coverage_steps,
                         grad_spike_factor=grad_spike_factor, tensorboard=path(tensorboard),
-                        collapse_steps=collapse_steps, source=source, locate=locate)
+                        collapse_steps=collapse_steps, source=source, locate=locate, ranks=ranks)
     return Watch(model, optimizer, scaler, opts)
 
 

@@ -30,7 +30,10 @@ class WatchOptions:
     fraction of all steps is a chronic loss-scale collapse (an error in the final report), even when no single run
     of skips reaches ``collapse_steps``. ``collapse_scale_bits``: a scale that fell this many powers of two below
     its peak and is still there at the end is a collapse too. ``locate``: replay the first anomalous step in process
-    under the full trace to name its op (see :func:`watch`).
+    under the full trace to name its op (see :func:`watch`). ``ranks``: on a DDP/FSDP model in a process group of
+    2+ ranks, exchange one tiny table per optimizer step so every rank's report names the rank that saw the first
+    non-finite value (``origin_rank``) and ``raise``/``skip`` are agreed (:mod:`ampdoctor.watch._ranks`); every
+    rank must then enter the watch. ``ranks=False``: each rank reports alone (a watch on one rank only).
     """
 
     on_anomaly: OnAnomaly = "warn"
@@ -45,6 +48,7 @@ class WatchOptions:
     collapse_min_steps: int = 8
     collapse_scale_bits: int = 12
     locate: bool = True
+    ranks: bool = True
 
     def __post_init__(self) -> None:
         if self.on_anomaly not in ON_ANOMALY:
@@ -72,8 +76,9 @@ class WatchOptions:
             v = getattr(self, name)
             if v is not None and not isinstance(v, (str, os.PathLike)):
                 raise TypeError(f"{name} must be a directory path or None, got {type(v).__name__}")
-        if not isinstance(self.locate, bool):
-            raise TypeError(f"locate must be a bool, got {type(self.locate).__name__}")
+        for name in ("locate", "ranks"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if not isinstance(self.source, str):
             raise TypeError(f"source must be a str (a scenario or script path), got {type(self.source).__name__}")
 

@@ -8,6 +8,20 @@ import torch
 from torch import nn
 
 _LOW_DTYPES = (torch.float16, torch.bfloat16)
+#: path components wrappers insert into ``named_parameters()`` (FSDP1, activation checkpointing, torch.compile):
+#: reports use the names of the user's own model
+_WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+
+
+def original_name(name: str) -> str:
+    """``name`` without the path components wrappers insert (``_fsdp_wrapped_module.up.weight`` -> ``up.weight``)."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def local_grad(g: torch.Tensor) -> torch.Tensor:
+    """The rank-local part of a gradient: an FSDP2 (``DTensor``) gradient's own shard, any other one as is."""
+    to_local = getattr(g, "to_local", None)
+    return to_local() if callable(to_local) and type(g).__name__ == "DTensor" else g
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -22,14 +36,14 @@ class Parameters:
     """Names, owners and roles of the watched parameters (re-read when the optimizer's param groups change)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        self.names: dict[int, str] = {id(p): n for n, p in model.named_parameters()}
+        self.names: dict[int, str] = {id(p): original_name(n) for n, p in model.named_parameters()}
         self.owners: dict[str, str] = {}
         for mod_name, mod in model.named_modules():
             for p in mod.parameters(recurse=False):
                 n = self.names.get(id(p))
                 if n is not None and n not in self.owners:
-                    self.owners[n] = mod_name
-        self.trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+                    self.owners[n] = original_name(mod_name)
+        self.trainable = [(self.names[id(p)], p) for _, p in model.named_parameters() if p.requires_grad]
         self.optimizer = optimizer
         self.refresh()
 
@@ -58,4 +72,4 @@ class Parameters:
         return sum(len(g["params"]) for g in opt.param_groups) != len(self.signature)   # O(groups) per step
 
 
-__all__ = ["Parameters", "unwrap_optimizer"]
+__all__ = ["Parameters", "local_grad", "original_name", "unwrap_optimizer"]

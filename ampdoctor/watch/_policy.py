@@ -22,6 +22,7 @@ from ampdoctor.watch._detectors import WINDOW, Detection
 from ampdoctor.watch._options import AnomalyError, WatchOptions
 from ampdoctor.watch._payload import StepInputs
 from ampdoctor.watch._ranks import RankAgreement
+from ampdoctor.watch._rules import NONFINITE_CODES
 from ampdoctor.watch._sinks import Sinks
 
 log = logging.getLogger("ampdoctor.watch")
@@ -57,6 +58,7 @@ class AnomalyPolicy:
         self.replay_report: Report | None = None
         self.replay_error: str | None = None
         self.replay_note: str | None = None
+        self.replay_step: int | None = None
         self.skipped_by_guard = 0
         self.deferred: AnomalyError | None = None
         #: how the in-process replay runs the step (``train_step(model, batch, optimizer=, scaler=)`` of
@@ -64,6 +66,8 @@ class AnomalyPolicy:
         self.train_step: Callable[..., Any] | None = None
         #: data-parallel ranks agree on raise/skip (:mod:`ampdoctor.watch._ranks`); None: decide locally
         self.ranks: RankAgreement | None = None
+        #: an FSDP model: no payload (its state_dict and forward are collectives), so no reproducer and no replay
+        self.sharded = False
         self._pending_raise: AnomalyError | None = None
         self._want_skip = False
         self._writer_broken = False
@@ -78,6 +82,8 @@ class AnomalyPolicy:
         self.kinds_seen.add(d.kind)
         self.counts[d.kind] += 1
         path = self._extras(a) if first else None
+        if self.ranks is not None:
+            self._tell_ranks(a)
         self.recent.append({"kind": d.kind, "step": d.record.step, "message": d.message, "reproducer": path})
         text = f"ampdoctor.watch: {d.message}" + (f" Reproducer: {path}" if path else "")
         if o.on_anomaly == "raise":
@@ -99,6 +105,21 @@ class AnomalyPolicy:
                 self.skipped_by_guard += 1
                 text += " The optimizer step was skipped (gradients set to None)."
         self.sinks.anomaly(text, first=first)
+
+    def _tell_ranks(self, a: Anomaly) -> None:
+        """What this rank saw, for the step's exchange: its own non-finite loss (local to the rank) or, for
+        gradients (DDP all-reduces them: maybe received), the origin its replay of that step located, if any."""
+        assert self.ranks is not None
+        d = a.detection
+        step = d.record.step
+        if d.kind == "nonfinite-loss":
+            self.ranks.note_own(step, {"kind": d.kind})
+        elif d.kind == "nonfinite-grads":
+            self.ranks.note_grads(step)
+        root = self.replay_report.root_cause if self.replay_report is not None else None
+        if root is not None and self.replay_step == step and root.code in NONFINITE_CODES and (root.module or root.op):
+            self.ranks.note_own(step, {"kind": d.kind, "code": root.code, "module": root.module, "op": root.op,
+                                       "phase": root.phase})
 
     def agree(self, step: int) -> None:
         """The step's agreement (every rank calls it at each optimizer pre-step check): when any rank must skip,
@@ -130,6 +151,13 @@ class AnomalyPolicy:
     def _extras(self, a: Anomaly) -> str | None:
         """Reproducer and replay of the first anomaly of a kind; their failures never stop the decision."""
         o = self.options
+        if self.sharded:
+            if self.replay_note is None:
+                self.replay_note = (f"step {a.detection.record.step} was not replayed and no reproducer was written: "
+                                    "the model is FSDP-sharded, and copying or running it on one rank alone would "
+                                    "issue collectives the other ranks never join; the report keeps the "
+                                    "module-level hint and the ranks' agreement (origin_rank)")
+            return None
         replay = self.locates and self.replay_report is None
         if o.reproducer_dir is None and not replay:
             return None
@@ -175,6 +203,7 @@ class AnomalyPolicy:
                         self.replay_error)
             return
         self.replay_report = report
+        self.replay_step = int(payload["step"])
         root = report.root_cause
         if root is not None:
             log.warning("ampdoctor.watch: replay of step %d: %s in %s (%s, %s)", payload["step"], root.code,

@@ -23,6 +23,8 @@ def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) ->
     if coverage is None:   # still measuring: a provisional verdict on what was seen so far
         never = tuple(n for n, p in t.params.trainable if id(p) not in t.cov_seen) if t.cov_steps else ()
         coverage = Coverage(t.cov_steps, never, (), t.params.not_in_optimizer)
+    if policy.sharded:     # FSDP: a rank's parameters are its shards (empty ones too): coverage says nothing
+        coverage = Coverage(0, (), (), ())
     s = t.state
     cur = t.it.record       # the open step: checked (and maybe stopped by "raise") but not closed
     seen = recs + [cur] if cur.nonfinite_params or cur.loss is not None else recs
@@ -32,6 +34,9 @@ def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) ->
            + _rules.coverage_findings(coverage, t.params.owners, ddp=t.ddp_strict)
            + _rules.low_precision_findings(s.lost if t.params.low else None, t.params.owners))
     findings = _rules.merge_replay(own, policy.replay_report)
+    ranks = policy.ranks.summary() if policy.ranks is not None else None
+    if ranks is not None:
+        findings = _rules.with_ranks(findings, ranks)
     tail = recs[-64:]
     precision = precision_of(t)
     h = s.health
@@ -57,6 +62,8 @@ def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) ->
         "on_anomaly": t.options.on_anomaly,
         "disabled": disabled,
     }
+    if ranks is not None:       # the same on every rank (but "rank"): who saw what, where the inf/NaN started
+        summary.update(ranks)
     if policy.replay_report is not None:
         summary["replay"] = {"source": policy.replay_report.source, "summary": policy.replay_report.summary}
     if s.broken:    # detectors that raised and were switched off (the rest of the watch kept working)

@@ -22,6 +22,9 @@ from ampdoctor.watch._record import Coverage, LostUpdates, StepRecord
 #: Codes whose finding names the op that produced a bad value (used to attribute a loss-scale collapse).
 ORIGIN_CODES = ("overflow", "underflow", "nan-from-inf", "masked-row-nan", "constant-out-of-range", "saturation",
                 "must-stay-fp32", "nonfinite-input", "fp8-scale", "precision-loss", "nonfinite-reference")
+#: Of those, the codes whose finding says where an inf/NaN was made (a replay reporting one located it locally).
+NONFINITE_CODES = ("overflow", "nan-from-inf", "masked-row-nan", "constant-out-of-range", "nonfinite-input",
+                   "fp8-scale", "nonfinite-reference")
 
 #: A parameter whose updates were lost at least this often is named in a ``low-precision-params`` finding.
 LOST_NAMED = 0.10
@@ -275,6 +278,58 @@ def order(findings: Iterable[Finding]) -> list[Finding]:
     return sorted(findings, key=lambda f: (_SEVERITY_RANK[f.severity], f.step))
 
 
+def with_ranks(findings: Sequence[Finding], ranks: dict[str, Any]) -> list[Finding]:
+    """Name the rank that saw the job's first non-finite value (``ranks``: :meth:`RankAgreement.summary`).
+
+    On that rank its first non-finite finding gets ``origin_rank`` evidence. On any other rank a finding naming the
+    origin (the module/op its replay located, when it did) comes first, and the watch's generic non-finite findings
+    (no module, no op) for a step at which another rank made them and this one did not are dropped: it only
+    received them. A non-finite loss is always the rank's own (computed before any collective).
+    """
+    origin = ranks.get("nonfinite_origin")
+    if not origin:
+        return list(findings)
+    me, world, src = ranks["rank"], ranks["world_size"], origin["rank"]
+    base = {"origin_rank": src, "rank": me, "world_size": world}
+    if src == me:
+        out, done = [], False
+        for f in findings:
+            if not done and f.code in NONFINITE_CODES:
+                f, done = dataclasses.replace(f, evidence={**f.evidence, **base, "local": True}), True
+            out.append(f)
+        return out
+    events = ranks.get("rank_events", [])
+    received = [e["step"] for e in events if e["rank"] == me and not e["local"]]
+    kind = {"nonfinite-loss": "non-finite loss", "nonfinite-grads": "non-finite gradients"}.get(origin["kind"],
+                                                                                               "non-finite value")
+    what = origin["code"] or kind
+    where = f" in {origin['module'] or '<root>'} ({origin['op'] or 'op unknown'})" if origin["code"] else ""
+    title = (f"{what} on rank {src} at step {origin['step']}{where} reaches rank {me} through the gradient "
+             "collective" if received else f"{what} on rank {src} at step {origin['step']}{where}; rank {me}'s "
+             "own values stayed finite")
+    expl = (f"Rank {src} made the job's first non-finite value ({origin['kind'] or 'inf/NaN'} at step "
+            f"{origin['step']}{where}). "
+            + (f"Rank {me}'s gradients held inf/NaN at step(s) {', '.join(map(str, received[:8]))} only because "
+               "the data-parallel gradient collective (DDP's all-reduce, FSDP's reduce-scatter) averages every rank's "
+               "gradients: look on rank " + str(src) + ", not here."
+               if received else f"Rank {me} computed finite values; every replica is affected through rank {src}.")
+            + f" Rank {src}'s report and reproducer name the op.")
+    finding = Finding(
+        origin["code"] or "overflow", "error", origin["module"], origin["op"], origin["phase"] or "forward", title,
+        expl, {**base, "local": False, "received": bool(received), "received_at_steps": received[:32],
+               "origin": origin},
+        (FixProposal(f"replay rank {src}'s reproducer of step {origin['step']} (reproducer_dir of rank {src})",
+                     "ampdoctor replay repro/rank1/stepNNNNNN-KIND.pt --factory mypkg:build_model"),),
+        origin["step"])
+    def only_received(f: Finding) -> bool:   # the generic gradient finding of a step another rank made them at
+        step = f.step
+        return (f.code == "overflow" and not f.module and not f.op and f.phase == "backward"
+                and any(e["step"] == step and e["local"] and e["rank"] != me for e in events)
+                and not any(e["step"] == step and e["local"] and e["rank"] == me for e in events))
+
+    return [finding, *(f for f in findings if not only_received(f))]
+
+
 def merge_replay(own: Sequence[Finding], replay: Report | None) -> list[Finding]:
     """Combine the watch's findings with a replay's.
 
@@ -315,6 +370,7 @@ __all__ = [
     "group_by_owner",
     "health_finding",
     "with_health",
+    "with_ranks",
     "low_precision_findings",
     "merge_replay",
     "nonfinite_findings",

@@ -45,7 +45,7 @@ from ampdoctor.watch._detectors import (
 )
 from ampdoctor.watch._hooks import Health, Hook, guarded
 from ampdoctor.watch._options import AnomalyError, WatchOptions
-from ampdoctor.watch._params import Parameters
+from ampdoctor.watch._params import Parameters, local_grad
 from ampdoctor.watch._payload import StepInputs, rng_state
 from ampdoctor.watch._policy import Anomaly, AnomalyPolicy
 from ampdoctor.watch._record import (
@@ -353,6 +353,7 @@ class StepTracker:
             g = p.grad
             if g is None:
                 continue
+            g = local_grad(g)
             if g.is_sparse:
                 sparse.append((name, g))
             else:
@@ -474,7 +475,7 @@ class StepTracker:
     def _confirm_nonfinite(self, names: Any) -> tuple[str, ...]:
         """Exactly which of ``names`` hold inf/NaN (a device read; only when a norm was not finite)."""
         by_name = dict(zip(self.params.opt_names, self.params.opt_params))
-        grads = [by_name[n].grad for n in names]
+        grads = [None if by_name[n].grad is None else local_grad(by_name[n].grad) for n in names]
         flags = torch.stack([~torch.isfinite(g.coalesce().values() if g.is_sparse else g).all()
                              for g in grads if g is not None]).tolist()
         return tuple(n for n, f in zip(names, flags) if f)

@@ -351,3 +351,87 @@ def ddp_watch_agreed_decisions(rank: int, world_size: int, tmp: str) -> dict[str
                        "unchanged_by_bad_step": (policy == "raise" and all(
                            torch.equal(a, b) for a, b in zip(before_bad, net.parameters())))}
     return out
+
+
+# ------------------------------------------------------------------------------------- watch: origin rank
+def _watch_facts(w: Any, steps: int) -> dict[str, Any]:
+    report = w.report()
+    keys = ("rank", "world_size", "origin_rank", "nonfinite_origin", "rank_events", "rank_own_anomalies",
+            "rank_nonfinite_grad_steps", "rank_exchanges")
+    return {"steps": steps, "disabled": w.disabled, "findings": _findings(report),
+            "summary": {k: report.summary.get(k) for k in keys},
+            "anomalies": [(a["kind"], a["step"]) for a in report.summary.get("anomalies", [])],
+            "replay_error": report.summary.get("replay_error")}
+
+
+def _watched_loop(rank: int, model: nn.Module, opt: Any, batches: list[torch.Tensor], *, give_loss: bool,
+                  nan_loss_steps: tuple[int, ...] = (), autocast: bool = False) -> dict[str, Any]:
+    from ampdoctor.watch import watch
+
+    steps = 0
+    with watch(model, opt) as w:
+        for step, x in enumerate(batches):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+                loss = _square_mean(model(x), x)
+            if step in nan_loss_steps:
+                loss = loss + torch.tensor(float("nan"))    # outside the model: the gradients stay finite
+            loss.backward()
+            if give_loss:
+                w.step(loss)
+            opt.step()
+            steps += 1
+    out = _watch_facts(w, steps)
+    check = torch.tensor([float(rank + 1)])
+    dist.all_reduce(check)                       # the ranks are still in step
+    out["all_reduce"] = float(check)
+    return out
+
+
+def _batches(rank: int, n: int, big_at: int | None = None, scale: float = 3e3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(10 + rank)
+    xs = [torch.randn(4, 8, generator=g) for _ in range(n)]
+    if rank == 1 and big_at is not None:
+        xs[big_at] = xs[big_at] * scale
+    return xs
+
+
+def ddp_watch_origin_rank(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """The default watch on both ranks of a DDP job, three ways: fp16 autocast with rank 1's batch at step 1 so
+    large that ``up`` overflows there only (DDP's all-reduce then gives rank 0 the inf/NaN gradients), with and
+    without the loss given to ``w.step``; a NaN loss on rank 1 only (finite gradients); and different anomaly counts
+    per rank (NaN losses: rank 1 at steps 1 and 3, rank 0 at step 2)."""
+    out: dict[str, Any] = {}
+    for name, give_loss in (("inf", True), ("inf-no-loss", False)):
+        net = _mlp(up_scale=30.0)
+        model = DDP(net)
+        out[name] = _watched_loop(rank, model, torch.optim.SGD(model.parameters(), lr=0.01),
+                                  _batches(rank, 3, big_at=1), give_loss=give_loss, autocast=True)
+    model = DDP(_mlp())
+    out["nan-loss"] = _watched_loop(rank, model, torch.optim.SGD(model.parameters(), lr=0.01), _batches(rank, 3),
+                                    give_loss=True, nan_loss_steps=(1,) if rank == 1 else ())
+    model = DDP(_mlp())
+    out["counts"] = _watched_loop(rank, model, torch.optim.SGD(model.parameters(), lr=0.01), _batches(rank, 5),
+                                  give_loss=True, nan_loss_steps=(1, 3) if rank == 1 else (2,))
+    return out
+
+
+def fsdp_watch_origin_rank(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """The default watch over FSDP FULL_SHARD models (FSDP1 ``use_orig_params=True`` and FSDP2 ``fully_shard``),
+    rank 1's batch at step 1 so large that ``up``'s float32 output overflows there only."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy, fully_shard
+
+    out: dict[str, Any] = {"original_params": [n for n, _ in _mlp().named_parameters()]}
+    fsdp1 = FSDP(_mlp(up_scale=30.0), use_orig_params=True, device_id=torch.device("cpu"),
+                 sharding_strategy=ShardingStrategy.FULL_SHARD)
+    out["fsdp1"] = _watched_loop(rank, fsdp1, torch.optim.SGD(fsdp1.parameters(), lr=0.01),
+                                 _batches(rank, 3, big_at=1, scale=1e37), give_loss=True)
+    net = _mlp(up_scale=30.0)
+    fully_shard(net.up)
+    fully_shard(net.down)
+    fsdp2 = fully_shard(net)
+    out["fsdp2"] = _watched_loop(rank, fsdp2, torch.optim.SGD(fsdp2.parameters(), lr=0.01),
+                                 _batches(rank, 3, big_at=1, scale=1e37), give_loss=True)
+    return out
+
