@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ampdoctor.findings._buffer_origins import buffer_candidates
 from ampdoctor.findings._common import (
     base_evidence,
     bf16_fix,
@@ -79,7 +80,9 @@ def overflow(ctx: Context) -> list[Candidate]:
     absorbs it computes a different result than the reference. The origin is the earliest such op whose
     inputs were all finite; later NaN are reported as ``nan-from-inf``. Inline math (a residual add, GELU's
     ``pow(x, 3)``) is blamed on the module whose own code runs it, backward ops on the module that ran
-    their forward op."""
+    their forward op. A registered buffer that the model cast already made inf (a mask of
+    ``torch.finfo(torch.float32).min`` stored in fp16) is the origin itself: phase ``setup``, its owning module,
+    ranked before what it feeds when that turns harmful (a ``warning`` otherwise)."""
     out: list[Candidate] = []
     for o in ctx.harmful_origins():
         r = o.record
@@ -128,7 +131,7 @@ def overflow(ctx: Context) -> list[Candidate]:
             "overflow", severity, r.module, r.op, r.phase,
             f"{op_base(r.op)} overflows {dtype_name(r.dtype)} in {r.module or '<root>'}",
             expl, ev, tuple(fixes), r.step), r.index))
-    return out
+    return out + buffer_candidates(ctx, "nonfinite")
 
 
 def _feeds_softmax(ctx: Context, r: OpRecord) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ampdoctor.findings._buffer_origins import buffer_candidates
 from ampdoctor.findings._common import (
     ALIAS_OPS,
     CASTS,
@@ -388,8 +389,11 @@ def must_stay_fp32(ctx: Context) -> list[Candidate]:
       angle ``position * inv_freq`` carries the buffer's relative rounding (bf16 u = 2**-8: up to 8 rad at
       position 2048; bf16 holds integers exactly only up to 2**8 = 256, fp16 up to 2048). ``warning``.
     * **Norm statistics.** ``pow(2)``/``mean``/``var`` feeding an ``rsqrt`` computed in fp16/bf16 in a hand-written
-      norm: squares overflow fp16 from |x| > 256, means carry the format's rounding. ``warning``."""
-    return _declared(ctx) + _rope(ctx) + _norm_stats(ctx)
+      norm: squares overflow fp16 from |x| > 256, means carry the format's rounding. ``warning``.
+    * **Integer buffers.** A float buffer of integers (positions, indices) beyond the integers the cast dtype holds
+      exactly (fp16 2048, bf16 256): distinct values tie. Phase ``setup`` on the owning module; an ``error`` when
+      what the reading module computes afterwards deviates or raises."""
+    return _declared(ctx) + _rope(ctx) + _norm_stats(ctx) + buffer_candidates(ctx, "inexact")
 
 
 __all__ = ["declared_root", "must_stay_fp32"]

@@ -56,6 +56,7 @@ def at(index: int) -> Order:
 SETUP_CRASHED_COVERAGE = Order(Stage.SETUP, 0)   # the run crashed on parameters the optimizer does not hold
 SETUP_INPUT = Order(Stage.SETUP, 1)              # the batch itself is non-finite and that reaches the loss
 SETUP_CRASH = Order(Stage.SETUP, 2)              # a crash before any traced op can explain it (finfo constant)
+SETUP_BUFFER = Order(Stage.SETUP, 3)             # a registered buffer damaged by the model cast, harmful
 RUN_FP8_SCALES = Order(Stage.RUN, 0)             # fp8 scaling of the emulated layers (whole run)
 RUN_PARAMS = Order(Stage.RUN, 1)                 # parameters stored in low precision (whole run)
 RUN_END = Order(Stage.RUN, 2)                    # facts read at the end of the run (coverage, declarations)

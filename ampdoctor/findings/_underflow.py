@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from ampdoctor.findings._buffer_origins import buffer_candidates
 from ampdoctor.findings._common import (
     base_evidence,
     bf16_fix,
@@ -61,11 +62,11 @@ def underflow(ctx: Context) -> list[Candidate]:
     floor are evidence, not the origin. An inf/NaN made by dividing by such zeros (``m / (sqrt(0) + 0)``, 0/0)
     has this underflow as its root cause. Severity ``error`` when it zeroes the gradient of parameters (all-zero
     in the target, not in the reference), the loss, or feeds an inf/NaN that reaches the loss, a gradient or an
-    update; ``warning`` otherwise."""
+    update; ``warning`` otherwise. A buffer the model cast flushed (tiny variances) is a ``setup`` origin (owner)."""
     out: list[Candidate] = []
     origins = ctx.underflow_origins
     if not origins:
-        return _pole_candidates(ctx)
+        return _pole_candidates(ctx) + buffer_candidates(ctx, "flushed")
     recs = ctx.records
     harmful_anc: dict[int, set[int]] = {o.record.index: ancestors(ctx, o.record.index)
                                         for o in ctx.harmful_origins()}
@@ -110,7 +111,7 @@ def underflow(ctx: Context) -> list[Candidate]:
             "underflow", severity, r.module, r.op, r.phase,
             f"{op_base(r.op)} flushes {frac:.0%} of its values to 0 in {dt} in {r.module or '<root>'}"
             + (f" ({r.phase})" if r.phase != "forward" else ""), expl, ev, _fixes(ctx, r), r.step), r.index))
-    return out + _pole_candidates(ctx)
+    return out + _pole_candidates(ctx) + buffer_candidates(ctx, "flushed")
 
 
 def _pole_candidates(ctx: Context) -> list[Candidate]:

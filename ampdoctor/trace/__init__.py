@@ -179,6 +179,14 @@ class Trace:
                     owners[ptr] = owner_of.get(id(p), "")
         self.mode.param_ptrs = ptrs
         self.mode.ptr_owner = owners
+        buffers: dict[int, str] = {}
+        for name, b in self.model.named_buffers():  # leaves read from module state are named after their buffer
+            if b.is_floating_point():
+                try:
+                    buffers.setdefault(b.untyped_storage().data_ptr(), name)
+                except Exception:
+                    continue
+        self.mode.buffer_ptrs = buffers
 
     def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         with _paused(self.mode):

@@ -171,6 +171,7 @@ class RecordingMode(TorchDispatchMode):
         self.error: dict[str, Any] | None = None
         self.param_ptrs: dict[int, str] = {}
         self.ptr_owner: dict[int, str] = {}
+        self.buffer_ptrs: dict[int, str] = {}  # storage of a registered floating buffer -> its qualified name
         self.batch_ptrs: set[int] = set()
         self.enabled = True
         self.headroom = False
@@ -221,7 +222,7 @@ class RecordingMode(TorchDispatchMode):
             "batch" if ptr in self.batch_ptrs else "input")
         row_index = self._row_base + len(self.rows)
         rec = OpRecord(idx, "", module, phase, self.step, "", t.dtype, tuple(t.shape), (), row_index, kind)
-        rec.name = pname or ""
+        rec.name = pname or (self.buffer_ptrs.get(ptr, "") if kind == "input" and ptr is not None else "")
         if not self.full:
             row = _safe(cheap_stats, t)
         elif kind == "param" and not self.headroom:
