@@ -64,7 +64,14 @@ class LostSeen:
     counts: tuple[float, ...]
 
 
-Event = LossSeen | GradsSeen | ScaleSeen | StepClosed | LostSeen
+@dataclass(frozen=True)
+class ProbeSeen:
+    record: StepRecord
+    names: tuple[str, ...]      # in backward order
+    flags: tuple[float, ...]    # 1: the gradient held inf/NaN
+
+
+Event = LossSeen | GradsSeen | ScaleSeen | StepClosed | LostSeen | ProbeSeen
 
 
 @dataclass
@@ -83,6 +90,9 @@ class ScaleHealth:
     #: skips from step 0 until the first applied step (GradScaler calibrating a too-large initial scale)
     initial_run: int = 0
     calibrating: bool = True
+    #: the parameters whose gradients overflowed in a skipped step, first in backward order (probe), and that step
+    overflow_params: tuple[str, ...] = ()
+    overflow_params_step: int = -1
     changes: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=4 * WINDOW))
 
     @property
@@ -237,6 +247,14 @@ def _scale_trajectory(e: ScaleSeen, s: DetectorState) -> list[Detection]:
     return []
 
 
+@detector("overflowing-params", ProbeSeen)
+def _overflowing_params(e: ProbeSeen, s: DetectorState) -> list[Detection]:
+    bad = tuple(n for n, f in zip(e.names, e.flags) if f > 0)
+    if bad and not s.health.overflow_params:
+        s.health.overflow_params, s.health.overflow_params_step = bad, e.record.step
+    return []
+
+
 def collapse_due(s: DetectorState) -> bool:
     """True when closing one more skipped step reaches ``collapse_steps`` (its scales must be read first)."""
     return s.health.run + 1 == s.options.collapse_steps
@@ -276,5 +294,5 @@ def _skipped_steps(e: StepClosed, s: DetectorState) -> list[Detection]:
         "or try bf16 autocast.")]
 
 
-__all__ = ["DETECTORS", "Detection", "DetectorState", "GradsSeen", "LossSeen", "LostSeen", "ScaleHealth",
+__all__ = ["DETECTORS", "Detection", "DetectorState", "GradsSeen", "LossSeen", "LostSeen", "ProbeSeen", "ScaleHealth",
            "ScaleSeen", "StepClosed", "collapse_due", "detector", "is_spike", "run_detectors"]

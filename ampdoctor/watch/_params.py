@@ -64,6 +64,19 @@ class Parameters:
                     if opt is not None and p.requires_grad and (p.dtype in _LOW_DTYPES or
                                                                 (p.is_floating_point() and p.element_size() == 1))]
 
+    def confirm_nonfinite(self, names: Any) -> tuple[str, ...]:
+        """Exactly which of ``names`` hold inf/NaN gradients (a device read; only when a norm was not finite)."""
+        by_name = dict(zip(self.opt_names, self.opt_params))
+        grads = [None if by_name[n].grad is None else local_grad(by_name[n].grad) for n in names]
+        flags = torch.stack([~torch.isfinite(g.coalesce().values() if g.is_sparse else g).all()
+                             for g in grads if g is not None]).tolist()
+        return tuple(n for n, f in zip(names, flags) if f)
+
+    def drop_grads(self) -> None:
+        """``on_anomaly="skip"``: built-in optimizers leave a parameter (and its state) alone when grad is None."""
+        for p in self.opt_params:
+            p.grad = None
+
     def changed(self) -> bool:
         """Whether the optimizer's param groups changed since the last read (``add_param_group``)."""
         opt = self.optimizer

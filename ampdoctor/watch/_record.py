@@ -88,6 +88,14 @@ class GradNorms(Pending):
 
 
 @dataclass(frozen=True)
+class ProbeFlags(Pending):
+    """Per parameter, in backward order: 1 when its gradient held inf/NaN (:mod:`ampdoctor.watch._probe`)."""
+
+    record: StepRecord
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class LostCounts(Pending):
     """Per low-precision parameter: (elements unchanged by the update despite a non-zero grad, non-zero grads)."""
 
@@ -128,5 +136,5 @@ class Readback:
         return out
 
 
-__all__ = ["Coverage", "FoundInf", "GradNorms", "LossValue", "LostCounts", "LostUpdates", "Pending", "Readback",
-           "ScaleValue", "StepRecord"]
+__all__ = ["Coverage", "FoundInf", "GradNorms", "LossValue", "LostCounts", "LostUpdates", "Pending", "ProbeFlags",
+           "Readback", "ScaleValue", "StepRecord"]

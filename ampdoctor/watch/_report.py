@@ -28,7 +28,8 @@ def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) ->
     s = t.state
     cur = t.it.record       # the open step: checked (and maybe stopped by "raise") but not closed
     seen = recs + [cur] if cur.nonfinite_params or cur.loss is not None else recs
-    episodes = _rules.collapse_findings(recs, t.options.collapse_steps, s.backoff)
+    episodes = _rules.collapse_findings(recs, t.options.collapse_steps, s.backoff, s.health.overflow_params,
+                                        s.health.overflow_params_step)
     own = (_rules.with_health(episodes, _rules.health_finding(s.health, t.options, s.backoff))
            + _rules.nonfinite_findings(seen, t.params.owners)
            + _rules.coverage_findings(coverage, t.params.owners, ddp=t.ddp_strict)

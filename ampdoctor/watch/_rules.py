@@ -55,7 +55,16 @@ def _shorten(names: Sequence[str], k: int = 4) -> str:
     return ", ".join(names[:k]) + (", ..." if len(names) > k else "")
 
 
-def collapse_findings(records: Sequence[StepRecord], collapse_steps: int, backoff: float) -> list[Finding]:
+def _overflowing(params: Sequence[str], step: int) -> tuple[dict[str, Any], str]:
+    """Evidence and a sentence naming the parameters whose gradients overflowed (probe; backward order)."""
+    if not params:
+        return {}, ""
+    return ({"params": list(params[:16]), "params_step": step},
+            f" The first gradients to hold inf/NaN (step {step}, backward order): {_shorten(list(params))}.")
+
+
+def collapse_findings(records: Sequence[StepRecord], collapse_steps: int, backoff: float,
+                      params: Sequence[str] = (), params_step: int = -1) -> list[Finding]:
     """``loss-scale-collapse`` for each run of >= ``collapse_steps`` skipped steps.
 
     A run still going at the end of the history is an error (the weights stopped changing); a run that
@@ -79,12 +88,15 @@ def collapse_findings(records: Sequence[StepRecord], collapse_steps: int, backof
         }
         if losses:
             ev["losses"] = losses
+        named, sentence = _overflowing(params, params_step)
+        ev.update(named)
         scale_txt = (f"the scale fell from {scales[0]:g} to {after:g}" if scales and after is not None
                      else "the scale fell each step")
         expl = (f"GradScaler found inf/NaN gradients on {length} consecutive steps ({start}..{end}) and skipped "
                 f"every optimizer.step(); {scale_txt} (x{backoff:g} per skipped step). The weights did not change. "
                 "The scaler only reacts: some op produces non-finite gradients at every scale. "
-                + ("It is still happening at the last step seen." if ongoing else "Training recovered afterwards."))
+                + ("It is still happening at the last step seen." if ongoing else "Training recovered afterwards.")
+                + sentence)
         fixes = (
             FixProposal("locate the op producing the non-finite gradients: replay the reproducer",
                         "ampdoctor.replay('reproducer.pt', model_factory=make_model)"),
@@ -121,6 +133,8 @@ def health_finding(h: ScaleHealth, o: WatchOptions, backoff: float) -> Finding |
         "longest_skip_run_start": h.longest_start, "scale_peak": h.peak, "scale_final": final,
         "scale_trajectory": trajectory, "chronic": chronic, "sunk": sunk, "ongoing": h.run > 0,
     }
+    named, sentence = _overflowing(h.overflow_params, h.overflow_params_step)
+    ev.update(named)
     why = []
     if chronic:
         why.append(f"{skipped} of {steps} steps after calibration were skipped ({100 * rate:.0f}%, threshold "
@@ -129,7 +143,7 @@ def health_finding(h: ScaleHealth, o: WatchOptions, backoff: float) -> Finding |
         why.append(f"the scale fell from its peak {h.peak:g} to {final:g} and stayed there")
     expl = (f"Over the whole run GradScaler skipped {h.skipped} of {h.steps} optimizer steps (longest run: "
             f"{h.longest} from step {h.longest_start}); " + "; ".join(why) + ". Most updates never reached the "
-            "weights: some op produces non-finite gradients at almost every scale. The scaler only reacts.")
+            "weights: some op produces non-finite gradients at almost every scale. The scaler only reacts." + sentence)
     fixes = (
         FixProposal("locate the op producing the non-finite gradients: replay the reproducer",
                     "ampdoctor replay repro/stepNNNNNN-loss-scale-collapse.pt --factory mypkg:build_model"),

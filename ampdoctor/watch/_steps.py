@@ -38,6 +38,7 @@ from ampdoctor.watch._detectors import (
     GradsSeen,
     LossSeen,
     LostSeen,
+    ProbeSeen,
     ScaleSeen,
     StepClosed,
     collapse_due,
@@ -48,6 +49,7 @@ from ampdoctor.watch._options import AnomalyError, WatchOptions
 from ampdoctor.watch._params import Parameters, local_grad
 from ampdoctor.watch._payload import StepInputs, rng_state
 from ampdoctor.watch._policy import Anomaly, AnomalyPolicy
+from ampdoctor.watch._probe import GradProbe
 from ampdoctor.watch._record import (
     Coverage,
     FoundInf,
@@ -56,6 +58,7 @@ from ampdoctor.watch._record import (
     LostCounts,
     LostUpdates,
     Pending,
+    ProbeFlags,
     Readback,
     ScaleValue,
     StepRecord,
@@ -109,7 +112,7 @@ class StepTracker:
                            and not getattr(model, "find_unused_parameters", False))
         self.device_type = next((p.device.type for p in model.parameters()), "cpu")
         self.state = DetectorState(o, backoff=self.scaler.backoff_factor if self.scaler is not None else 0.5,
-                                   confirm_nonfinite=self._confirm_nonfinite, owners=ps.owners,
+                                   confirm_nonfinite=ps.confirm_nonfinite, owners=ps.owners,
                                    coverage_open=o.coverage_steps > 0,
                                    lost=LostUpdates(dtypes={n: str(p.dtype).replace("torch.", "") for n, p in ps.low}))
         self.lost_left = o.coverage_steps if ps.low else 0
@@ -137,6 +140,7 @@ class StepTracker:
         self.scaler_token = sc.token() if sc is not None else None
         self.stepped_token: Any = None
         self.scale_snapshot = sc.scale_copy() if sc is not None else None
+        self.probe = GradProbe(ps.trainable, self.health)   # armed when GradScaler starts skipping
         self._register_hooks()
 
     def _register_hooks(self) -> None:
@@ -157,8 +161,8 @@ class StepTracker:
 
     def remove_hooks(self) -> None:
         """Remove every hook; one that fails to go does not keep the others (the first error is re-raised)."""
-        handles = self.handles + self.coverage_handles
-        self.handles, self.coverage_handles, self.module_handles = [], [], []
+        handles = self.handles + self.coverage_handles + self.probe.handles
+        self.handles, self.coverage_handles, self.module_handles, self.probe.handles = [], [], [], []
         failed: Exception | None = None
         for h in handles:
             try:
@@ -388,6 +392,11 @@ class StepTracker:
         it = self.it
         rec = it.record
         rec.skipped = skipped
+        probed = self.probe.harvest() if self.probe.armed else None
+        if probed is not None:
+            self.readback.add(ProbeFlags(probed[0], rec, probed[1]))
+        if skipped and not self.state.health.overflow_params and probed is None:
+            self.probe.arm()        # names the overflowing parameters in the next (likely skipped too) backward
         if scale is not None:
             self.readback.add(ScaleValue(scale, rec))
         elif not scale_known and self.scale_snapshot is not None:
@@ -452,6 +461,8 @@ class StepTracker:
             self._detect(ScaleSeen(value.record, v[0]), None, pre_step=False)
         elif isinstance(value, FoundInf):
             value.record.skipped = v[0] > 0
+        elif isinstance(value, ProbeFlags):
+            self._detect(ProbeSeen(value.record, value.names, tuple(v)), None, pre_step=False)
         elif isinstance(value, LostCounts):
             self._detect(LostSeen(value.names, tuple(v)), None, pre_step=False)
         elif isinstance(value, GradNorms):
@@ -472,14 +483,6 @@ class StepTracker:
                 return it
         return Iteration(rec)
 
-    def _confirm_nonfinite(self, names: Any) -> tuple[str, ...]:
-        """Exactly which of ``names`` hold inf/NaN (a device read; only when a norm was not finite)."""
-        by_name = dict(zip(self.params.opt_names, self.params.opt_params))
-        grads = [None if by_name[n].grad is None else local_grad(by_name[n].grad) for n in names]
-        flags = torch.stack([~torch.isfinite(g.coalesce().values() if g.is_sparse else g).all()
-                             for g in grads if g is not None]).tolist()
-        return tuple(n for n, f in zip(names, flags) if f)
-
     def handle_queue(self, *, can_raise: bool) -> None:
         queue, self.queue = self.queue, []
         assert self.policy is not None
@@ -491,9 +494,7 @@ class StepTracker:
                 raise
 
     def drop_grads(self) -> None:
-        """``on_anomaly="skip"``: built-in optimizers leave a parameter (and its state) alone when grad is None."""
-        for p in self.params.opt_params:
-            p.grad = None
+        self.params.drop_grads()
 
 
 __all__ = ["Iteration", "StepTracker"]
