@@ -26,7 +26,6 @@ import time
 from typing import Any
 
 import torch
-from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -35,23 +34,15 @@ CASES_DIR = os.path.normpath(os.path.join(REPO, "..", "shared", "cases"))
 BUILTIN = ("t5_fp16_amp_ff_overflow", "bert_unused_pooler")
 
 from ampdoctor.fixes import diagnose_and_fix  # noqa: E402
-from ampdoctor.fixes._actions import FixPlan  # noqa: E402
-from ampdoctor.fixes._tolerance import HEALTHY_FACTOR, compute_dtype, curve_err, grad_errors  # noqa: E402
-from ampdoctor.fixes._verify import Session, resolve_spec  # noqa: E402
-
-
-def _placebo(modules: tuple[str, ...]) -> FixPlan:
-    def wrap(model: nn.Module, optimizer: Any = None, scaler: Any = None) -> None:
-        for name in modules:
-            m = model.get_submodule(name)
-            inner = m.forward
-
-            def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
-                return _inner(*args, **kwargs)
-
-            m.forward = forward  # type: ignore[method-assign]
-
-    return FixPlan("placebo", {"modules": list(modules)}, "a no-op forward wrapper", "", (wrap,))
+from ampdoctor.fixes.calibration import (  # noqa: E402
+    HEALTHY_FACTOR,
+    Session,
+    compute_dtype,
+    curve_err,
+    grad_errors,
+    placebo,
+    resolve_spec,
+)
 
 
 def _u(x: Any, u: float) -> str:
@@ -70,9 +61,8 @@ def _ratio(x: Any, h: Any) -> str:
 
 def calibrate(name: str, target: str) -> list[str]:
     spec = resolve_spec(target)
-    session = Session(spec, steps=20)
     report = diagnose_and_fix(spec, steps=20)
-    session._report = report  # the same diagnosis for the placebo (annotated fixes do not change it)
+    session = Session(spec, steps=20, report=report)  # the placebo's diagnosis: annotated fixes do not change it
     dtype = compute_dtype(spec.precision, report)
     u = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}.get(dtype, 2.0 ** -24)
     mods = session.implicated()
@@ -100,7 +90,7 @@ def calibrate(name: str, target: str) -> list[str]:
                         f"({_ratio(g, h_grad) if same else 'other dtype'}) | "
                         f"{'yes' if p.verified else 'no: ' + str(v.get('reason'))[:70]} |")
     if mods:
-        pv = session.verify(_placebo(mods), tuple(f"{f.code}@{f.module or '<root>'}" for f in report.findings
+        pv = session.verify(placebo(mods), tuple(f"{f.code}@{f.module or '<root>'}" for f in report.findings
                                                    if f.severity == "error"))
         rows.append(f"| {name} | {spec.precision} | | **placebo** | {_u(pv.max_rel_err_curve, u)} | "
                     f"{_u(pv.grad_rel_err, u)} | {'YES (defect)' if pv.verified else 'no: ' + pv.reason[:70]} |")

@@ -16,10 +16,14 @@ from ampdoctor.findings import (  # noqa: F401  (importing a rule module registe
     _training_rules,  # low-precision-params, loss-scale-collapse, loss-scaling-misuse, fp8-scale
     _underflow,  # underflow
 )
-from ampdoctor.findings._context import Context, build_context
+from ampdoctor.findings._context import Context, build_context, group_by_owner
+from ampdoctor.findings._knowledge import enrich_all
+from ampdoctor.findings._ranks import agree
 from ampdoctor.findings._registry import CODE_INFO, RULES, Candidate, CodeInfo, Order, Stage, at, codes_markdown, rule
 from ampdoctor.findings._remedies import REMEDIES, Remedy, remedies_for
+from ampdoctor.findings._summary import layers, summary
 from ampdoctor.findings._types import CODES, SCHEMA_VERSION, Finding, FixProposal, Report
+from ampdoctor.findings._types import _jsonable as jsonable
 
 _SEVERITY_RANK = {"error": 0, "warning": 1, "info": 2}
 #: precedence of a code without a registered rule (it sorts after every registered one)
@@ -72,10 +76,16 @@ __all__ = [
     "Stage",
     "analyse",
     "at",
+    "agree",
     "build_context",
+    "enrich_all",
+    "group_by_owner",
+    "layers",
+    "jsonable",
     "codes_markdown",
     "rank",
     "rank_key",
     "remedies_for",
     "rule",
+    "summary",
 ]

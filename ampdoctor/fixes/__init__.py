@@ -30,15 +30,10 @@ from ampdoctor.findings import Finding, FixProposal, Report
 from ampdoctor.fixes._actions import FIXES, FixAction, FixContext, FixPlan, build_plan, register_fix
 from ampdoctor.fixes._mechanisms import MechanismMode
 from ampdoctor.fixes._policy import Fp32Policy, minimal_fp32_policy
+from ampdoctor.fixes._session import DEFAULT_STEPS
 from ampdoctor.fixes._tolerance import TOLERANCES, Tolerance
-from ampdoctor.fixes._verify import (
-    DEFAULT_STEPS,
-    Verification,
-    apply_plan,
-    diagnose_and_fix,
-    merged_params,
-    verify,
-)
+from ampdoctor.fixes._verdict import Verification, apply_plan
+from ampdoctor.fixes._verify import diagnose_and_fix, merged_params, verify
 
 _WHOLE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ampdoctor.fixes._actions import build_plan
-from ampdoctor.fixes._verify import DEFAULT_STEPS, Session, Verification, resolve_spec
+from ampdoctor.fixes._session import DEFAULT_STEPS, Session
+from ampdoctor.fixes._verdict import Verification
+from ampdoctor.fixes._verify import resolve_spec
 from ampdoctor.precision import Observer, StepLoop, run_steps, saved_rng
 
 log = logging.getLogger(__name__)

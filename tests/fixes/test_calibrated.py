@@ -10,30 +10,19 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from torch import nn
 
 from ampdoctor.fixes import diagnose_and_fix, verify
-from ampdoctor.fixes._actions import FixPlan
-from ampdoctor.fixes._tolerance import HEALTHY_CAP, HEALTHY_FACTOR, TOLERANCES
-from ampdoctor.fixes._verify import Session, resolve_spec, targets_of
+from ampdoctor.fixes.calibration import (
+    HEALTHY_CAP,
+    HEALTHY_FACTOR,
+    TOLERANCES,
+    Session,
+    placebo,
+    resolve_spec,
+    targets_of,
+)
 
 WO = "encoder.block.0.layer.1.DenseReluDense.wo"
-
-
-def _placebo(modules: list[str]) -> FixPlan:
-    """A fix that changes nothing: each module's forward wrapped in a function that calls it."""
-
-    def wrap(model: nn.Module, optimizer: Any = None, scaler: Any = None) -> None:
-        for name in modules:
-            m = model.get_submodule(name)
-            inner = m.forward
-
-            def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
-                return _inner(*args, **kwargs)
-
-            m.forward = forward  # type: ignore[method-assign]
-
-    return FixPlan("placebo", {"modules": modules}, "no-op forward wrapper", "", (wrap,))
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +57,7 @@ def test_a_placebo_never_verifies_on_t5() -> None:
     mods = list(session.implicated())
     assert WO in mods
     targets = tuple(f"{f.code}@{f.module}" for f in session.report.findings if f.severity == "error")
-    v = session.verify(_placebo(mods), targets)
+    v = session.verify(placebo(mods), targets)
     assert not v.verified and v.steps_finite < v.steps
     assert "still" in v.reason
 
@@ -82,8 +71,8 @@ def test_bert_unused_pooler_fix_verifies_and_a_placebo_does_not() -> None:
     # the broken run is finite and close to fp32: only "its finding is gone" tells a fix from a placebo here
     label = f"unused-parameters@{finding.module}"
     assert label in targets_of(session.report, proposal)
-    placebo = session.verify(_placebo([finding.module]), (label,))
-    assert not placebo.verified and "still reported" in placebo.reason
+    pv = session.verify(placebo([finding.module]), (label,))
+    assert not pv.verified and "still reported" in pv.reason
 
 
 def test_the_tolerance_rests_on_the_committed_calibration() -> None:
