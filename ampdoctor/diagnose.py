@@ -15,10 +15,7 @@ import torch
 from torch import nn
 
 from ampdoctor.errors import DiagnosisError
-from ampdoctor.findings import Finding, Report, analyse, build_context
-from ampdoctor.findings._knowledge import enrich_all
-from ampdoctor.findings._ranks import agree
-from ampdoctor.findings._summary import layers, summary
+from ampdoctor.findings import Finding, Report, agree, analyse, build_context, enrich_all, layers, summary
 from ampdoctor.precision import (
     RunResult,
     StepSpec,

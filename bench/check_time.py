@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _models  # noqa: E402
 
 from ampdoctor.diagnose import diagnose_spec  # noqa: E402
-from ampdoctor.precision._spec import make_spec  # noqa: E402
+from ampdoctor.precision import make_spec  # noqa: E402
 from ampdoctor.precision.headroom import headroom_spec  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -54,8 +54,10 @@ from ampdoctor.precision import (  # noqa: E402
     saved_rng,
     spec_from_module,
 )
-from ampdoctor.trace import iter_tensors  # noqa: E402
-from ampdoctor.trace._modules import ModuleAttribution  # noqa: E402
+from ampdoctor.trace import (
+    ModuleAttribution,  # noqa: E402
+    iter_tensors,  # noqa: E402
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)

@@ -32,7 +32,7 @@ def _headroom_table(h: Any, fmt: str, autocast: str | None = None) -> Any:
     from rich.table import Table
     from rich.text import Text
 
-    from ampdoctor.report._format import fmt_num
+    from ampdoctor.report import fmt_num
 
     judged = f"ops autocast runs in {fmt} under the {autocast} policy" if autocast else "every op"
     table = Table(title=f"headroom in {fmt} (fp32 run, {judged}; margin = log2(format max / |max|), flush = share of "

@@ -23,11 +23,11 @@ from ampdoctor.trace import (
     dtype_info,
     dtype_limits,
     dtype_name,
+    is_nonfinite,
     op_base,
     ops_with,
     unit_roundoff,
 )
-from ampdoctor.trace._lineage import is_nonfinite
 
 #: the low-precision formats (the dtype table's ``low_precision``: fp16, bf16 and the fp8 formats)
 LOW = frozenset(name for name, info in DTYPES.items() if info.low_precision)

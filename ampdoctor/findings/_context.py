@@ -20,8 +20,7 @@ from typing import Any
 from ampdoctor.findings import _analysis
 from ampdoctor.findings._common import dtype_name, feeders, group_by_owner, limits, op_base
 from ampdoctor.precision import RunResult, StepSpec
-from ampdoctor.trace import Lineage, OpRecord
-from ampdoctor.trace._lineage import analyse_lineage, has_nan, is_nonfinite
+from ampdoctor.trace import Lineage, OpRecord, analyse_lineage, has_nan, is_nonfinite
 
 AlignKey = tuple[Any, ...]
 

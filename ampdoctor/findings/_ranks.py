@@ -1,7 +1,7 @@
 """Distributed agreement: which rank's own computation produced the non-finite values, and this rank's findings
 rewritten so that a rank that only received them (through a gradient all-reduce) names the producing rank.
 
-The precision layer supplies the raw per-rank facts (:func:`~ampdoctor.precision._distributed.own_origins`,
+The precision layer supplies the raw per-rank facts (:func:`~ampdoctor.precision.own_origins`,
 ``received_origins``) and the transport (``exchange_rows``: one ``all_reduce``); the blame and the rewriting of
 findings are findings logic and live here.
 """
@@ -17,8 +17,7 @@ from typing import Any
 from torch import nn
 
 from ampdoctor.findings._types import CODES, Finding
-from ampdoctor.precision import _distributed as dist
-from ampdoctor.precision._distributed import PHASES, RankInfo, is_collective
+from ampdoctor.precision import PHASES, RankInfo, exchange_rows, is_collective, own_origins, rank_info, wrapper_kind
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +91,12 @@ def agree(model: nn.Module, records: Sequence[Any], carried: dict[int, frozenset
     Returns ``None`` (and runs no collective) unless ``model`` is wrapped in DDP/FSDP and the process group is
     initialized. Otherwise every rank must call it the same number of times: ONE ``all_reduce`` of a
     ``(world_size, 7)`` int64 tensor, no barrier. Syncs with the host once (the tensor is read back)."""
-    if dist.wrapper_kind(model) is None:
+    if wrapper_kind(model) is None:
         return None
-    info = dist.rank_info(model)
+    info = rank_info(model)
     if info is None:
         return None
-    local = dist.own_origins(records, harmful)
+    local = own_origins(records, harmful)
     received = set(harmful) - set(local)
     # a collective's output statistics are read before the (asynchronous) collective completes: never blame it
     kept: list[Finding] = [f for f in findings if not is_collective(f.op)]
@@ -105,7 +104,7 @@ def agree(model: nn.Module, records: Sequence[Any], carried: dict[int, frozenset
     own = _keys_of(records, carried, set(local))
     names = [n for n, _ in model.named_modules()]
     row = _own_row(records, local, received, kept, tainted, own, names, codes)
-    table = dist.exchange_rows(model, info, row)
+    table = exchange_rows(model, info, row)
     log.debug("rank %d/%d: own non-finite origin %s; all ranks: %s", info.rank, info.world_size, row, table)
     origins = _decode(table, records, names, codes)
     through = _received_through(records, received) if received else ""

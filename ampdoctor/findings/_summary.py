@@ -10,7 +10,7 @@ import torch
 
 from ampdoctor.findings._common import dtype_name, limits
 from ampdoctor.findings._context import Context, chain_summary
-from ampdoctor.trace._lineage import is_nonfinite
+from ampdoctor.trace import is_nonfinite
 
 
 def summary(ctx: Context, findings: list[Any], elapsed: float) -> dict[str, Any]:

@@ -21,7 +21,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("ampdoctor.integrations.hf needs transformers: pip install ampdoctor[hf]") from e
 
-from ampdoctor.findings._types import Report
+from ampdoctor.findings import Report
 from ampdoctor.watch import Watch, check_watch_options, watch
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ else:
             raise ImportError(
                 "ampdoctor.integrations.lightning needs Lightning: pip install ampdoctor[lightning]") from e
 
-from ampdoctor.findings._types import Report
+from ampdoctor.findings import Report
 from ampdoctor.watch import Watch, check_watch_options, watch
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ampdoctor.findings._types import Report
+from ampdoctor.findings import Report
 from ampdoctor.watch import AnomalyError, Watch, is_replaying, watch
 
 log = logging.getLogger(__name__)

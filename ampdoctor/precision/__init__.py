@@ -9,6 +9,15 @@ One step runner for every caller (:mod:`ampdoctor.precision._step`): :func:`prep
 
 from ampdoctor.precision._compiled import compare_compiled, compare_compiled_generation, compare_outputs
 from ampdoctor.precision._cuda_policy import POLICIES, policy_for, policy_table_markdown
+from ampdoctor.precision._distributed import (
+    PHASES,
+    RankInfo,
+    exchange_rows,
+    is_collective,
+    own_origins,
+    rank_info,
+    wrapper_kind,
+)
 from ampdoctor.precision._generate import (
     GENERATION_PRECISIONS,
     NOISE_MARGIN_RMS,
@@ -78,6 +87,13 @@ __all__ = [
     "policy_for",
     "policy_table_markdown",
     "MAX_STEPS",
+    "PHASES",
+    "RankInfo",
+    "exchange_rows",
+    "is_collective",
+    "own_origins",
+    "rank_info",
+    "wrapper_kind",
     "PRECISIONS",
     "GradSnapshot",
     "Observer",

@@ -20,7 +20,7 @@ from ampdoctor.precision._cuda_policy import DEVICE_KINDS, policy_for
 from ampdoctor.precision._runner import run
 from ampdoctor.precision._spec import StepSpec, make_spec
 from ampdoctor.precision._step import saved_rng
-from ampdoctor.trace._stats import HEADROOM_FORMATS
+from ampdoctor.trace import HEADROOM_FORMATS
 
 FORMATS: tuple[str, ...] = tuple(name for name, _, _ in HEADROOM_FORMATS)
 _MAX = {name: mx for name, mx, _ in HEADROOM_FORMATS}

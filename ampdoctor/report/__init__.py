@@ -9,12 +9,14 @@ The terminal renderer needs ``ampdoctor[cli]`` (rich), the HTML one ``ampdoctor[
 import them only when called. JSON needs nothing beyond the standard library.
 """
 
+from ampdoctor.report._format import fmt_num
 from ampdoctor.report.html import render_html, write_html
 from ampdoctor.report.jsonio import SCHEMA_PATH, ReportFormatError, load_report, render_json, write_json
 from ampdoctor.report.terminal import render_terminal, terminal_text
 
 __all__ = [
     "SCHEMA_PATH",
+    "fmt_num",
     "ReportFormatError",
     "load_report",
     "render_html",

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ampdoctor.findings._types import FixProposal, Report
+from ampdoctor.findings import FixProposal, Report
 from ampdoctor.trace import dtype_info
 
 #: Horizontal reference lines of the range plot: (label, value).

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ampdoctor.errors import ReportFormatError
-from ampdoctor.findings._types import SCHEMA_VERSION, Report
+from ampdoctor.findings import SCHEMA_VERSION, Report
 
 #: The JSON Schema (draft 2020-12) of the document :func:`render_json` writes.
 SCHEMA_PATH = Path(__file__).with_name("schema.json")

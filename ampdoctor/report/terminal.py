@@ -14,7 +14,7 @@ import io
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ampdoctor.findings._types import Finding, Report
+from ampdoctor.findings import Finding, Report
 from ampdoctor.report import _format as F
 
 if TYPE_CHECKING:

@@ -33,7 +33,7 @@ from ampdoctor.trace._dtypes import (
     dtype_name,
     unit_roundoff,
 )
-from ampdoctor.trace._lineage import Lineage, analyse_lineage, is_nonfinite
+from ampdoctor.trace._lineage import Lineage, analyse_lineage, has_nan, is_nonfinite
 from ampdoctor.trace._mode import OpRecord, RecordingMode, _key
 from ampdoctor.trace._modules import ModuleAttribution, iter_tensors
 from ampdoctor.trace._ops import (
@@ -79,7 +79,10 @@ __all__ = [
     "op_info",
     "ops_with",
     "iter_tensors",
+    "ModuleAttribution",
     "is_nonfinite",
+    "has_nan",
+    "analyse_lineage",
 ]
 
 

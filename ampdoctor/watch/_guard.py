@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ampdoctor.findings._types import Report
+from ampdoctor.findings import Report
 from ampdoctor.watch._hooks import Health
 from ampdoctor.watch._options import KINDS, ON_ANOMALY, AnomalyError, OnAnomaly, WatchOptions
 from ampdoctor.watch._params import unwrap_optimizer

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.findings._types import Report
+from ampdoctor.findings import Report
 from ampdoctor.watch import _reproducer
 from ampdoctor.watch._detectors import WINDOW, Detection
 from ampdoctor.watch._options import AnomalyError, WatchOptions

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ampdoctor.findings._types import Report
+from ampdoctor.findings import Report
 from ampdoctor.watch import _rules
 from ampdoctor.watch._payload import precision_settings
 from ampdoctor.watch._policy import AnomalyPolicy

@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from ampdoctor.errors import ReproducerError
-from ampdoctor.findings._types import Report
+from ampdoctor.findings import Report
 
 log = logging.getLogger(__name__)
 

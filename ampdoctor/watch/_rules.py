@@ -13,8 +13,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ampdoctor.findings._context import group_by_owner
-from ampdoctor.findings._types import Finding, FixProposal, Report
+from ampdoctor.findings import Finding, FixProposal, Report, group_by_owner
 from ampdoctor.watch._detectors import ScaleHealth
 from ampdoctor.watch._options import WatchOptions
 from ampdoctor.watch._record import Coverage, LostUpdates, StepRecord

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.findings._context import group_by_owner
+from ampdoctor.findings import group_by_owner
 from ampdoctor.watch._detectors import (
     DetectorState,
     GradsSeen,
