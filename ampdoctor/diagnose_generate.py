@@ -16,9 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.findings import Finding, Report, analyse, build_context
-from ampdoctor.findings._knowledge import enrich_all
-from ampdoctor.findings._summary import layers as layer_table
+from ampdoctor.findings import Finding, Report, analyse, build_context, enrich_all
+from ampdoctor.findings import layers as layer_table
 from ampdoctor.precision import (
     NOISE_MARGIN_RMS,
     NOISE_REL_ERR,
@@ -79,33 +78,15 @@ def diagnose_generate(model: nn.Module, input_ids: torch.Tensor, *, precision: s
     layers: list[dict[str, Any]] = []
     step_summary: dict[str, Any] = {}
     if first is not None:
-        with saved_rng():
-            again = generate(model, input_ids, precision=precision, max_new_tokens=max_new_tokens, policy=policy,
-                             transforms=transforms, trace_step=first.step)
-        curves: dict[str, list[float]] = {}
-        if first.step == 0:  # the prefill spans the whole prompt: find the position within it per module
-            batch: dict[str, Any] = {"input_ids": input_ids}
-            if getattr(getattr(model, "config", None), "is_encoder_decoder", False):  # positions of the encoder
-                batch["decoder_input_ids"] = torch.full((1, 1), decoder_start(model), dtype=input_ids.dtype)
-            curves = position_profile(model, batch, precision=precision, policy=policy, transforms=transforms)
-        findings, layers, step_summary = _step_findings(model, precision, source, first, again, curves)
+        findings, layers, step_summary = _failing_step(model, input_ids, precision, max_new_tokens, policy,
+                                                       transforms, source, first)
     noise = [s for s in gen.stats if s.within_noise and (first is None or s.step <= first.step)]
     if noise:
         findings.append(_noise_finding(noise))
     summary: dict[str, Any] = {
         "precision": precision, "steps": 1, "forward_only": True, "torch_version": torch.__version__,
         "device": str(next((p.device for p in model.parameters()), "cpu")),
-        "generation": {
-            "prompt_len": gen.prompt_len, "max_new_tokens": max_new_tokens, "cache": gen.cache or "none",
-            "teacher_forced": True, "reference_tokens": gen.ref_tokens,
-            "target_tokens": [s.target_token for s in gen.stats],
-            "first_failure": first.to_dict() if first is not None else None,
-            "noise_flips": [s.step for s in noise],
-            "steps": [s.to_dict() for s in gen.stats],
-            "noise_rule": f"a flipped token is rounding noise when the reference margin <= {NOISE_MARGIN_RMS} x the "
-                          f"step's RMS logit error and that error is <= {NOISE_REL_ERR:.0%} of the logits' RMS",
-        },
-        "notes": notes,
+        "generation": _generation_summary(gen, max_new_tokens, first, noise), "notes": notes,
     }
     summary.update(step_summary)
     if compiled:
@@ -114,6 +95,38 @@ def diagnose_generate(model: nn.Module, input_ids: torch.Tensor, *, precision: s
         findings.extend(compiled_findings(summary["compiled"], precision))
     summary["elapsed_s"] = round(time.perf_counter() - t0, 3)
     return Report(tuple(findings), precision, summary, tuple(layers), source)
+
+
+def _failing_step(model: nn.Module, input_ids: torch.Tensor, precision: str, max_new_tokens: int, policy: str,
+                  transforms: tuple[Any, ...], source: str,
+                  first: DecodeStat) -> tuple[list[Finding], list[dict[str, Any]], dict[str, Any]]:
+    """The first failing decode step re-run under the full op trace (a failing prefill also profiled per position):
+    its findings, per-layer table and summary entries."""
+    with saved_rng():
+        again = generate(model, input_ids, precision=precision, max_new_tokens=max_new_tokens, policy=policy,
+                         transforms=transforms, trace_step=first.step)
+    curves: dict[str, list[float]] = {}
+    if first.step == 0:  # the prefill spans the whole prompt: find the position within it per module
+        batch: dict[str, Any] = {"input_ids": input_ids}
+        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):  # positions of the encoder
+            batch["decoder_input_ids"] = torch.full((1, 1), decoder_start(model), dtype=input_ids.dtype)
+        curves = position_profile(model, batch, precision=precision, policy=policy, transforms=transforms)
+    return _step_findings(model, precision, source, first, again, curves)
+
+
+def _generation_summary(gen: Generation, max_new_tokens: int, first: DecodeStat | None,
+                        noise: list[DecodeStat]) -> dict[str, Any]:
+    """``summary["generation"]``: the tokens of both runs, every decode step, the first failure, the noise flips."""
+    return {
+        "prompt_len": gen.prompt_len, "max_new_tokens": max_new_tokens, "cache": gen.cache or "none",
+        "teacher_forced": True, "reference_tokens": gen.ref_tokens,
+        "target_tokens": [s.target_token for s in gen.stats],
+        "first_failure": first.to_dict() if first is not None else None,
+        "noise_flips": [s.step for s in noise],
+        "steps": [s.to_dict() for s in gen.stats],
+        "noise_rule": f"a flipped token is rounding noise when the reference margin <= {NOISE_MARGIN_RMS} x the "
+                      f"step's RMS logit error and that error is <= {NOISE_REL_ERR:.0%} of the logits' RMS",
+    }
 
 
 def _step_findings(model: nn.Module, precision: str, source: str, first: DecodeStat, again: Generation,

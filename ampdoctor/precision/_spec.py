@@ -129,19 +129,8 @@ def _check_batch_values(batch: Any) -> None:
         raise ScenarioError(f"the batch is empty (its tensors have no elements: {shapes}); pass at least one sample")
 
 
-def make_spec(
-    model: Any,
-    batch: Any = None,
-    *,
-    precision: str | None = None,
-    loss_fn: Any = None,
-    optimizer: Any = None,
-    scaler: Any = None,
-    train_step: Any = None,
-    steps: int = 1,
-    source: str = "",
-) -> StepSpec:
-    """Validate user input; raises :class:`ScenarioError` (or TypeError) saying what to do. Changes nothing."""
+def _check_model(model: Any) -> None:
+    """A module the runner can copy and trace op by op."""
     if not isinstance(model, nn.Module):
         raise ScenarioError(
             f"model must be a torch.nn.Module, got {type(model).__name__}; pass the model object itself "
@@ -155,9 +144,10 @@ def make_spec(
     why = copy_limitation(model)
     if why is not None:
         raise ScenarioError(why)
-    if precision not in PRECISIONS:
-        allowed = ", ".join(repr(p) for p in PRECISIONS)
-        raise ScenarioError(f"invalid precision {precision!r}, expected one of {allowed}")
+
+
+def _check_weights(model: nn.Module) -> None:
+    """Weights with data, some of them floating-point."""
     params = list(model.parameters()) + list(model.buffers())
     if any(p.is_meta for p in params):
         raise ScenarioError(
@@ -169,26 +159,54 @@ def make_spec(
             "model has no floating-point parameters or buffers (int-only or quantized); mixed-precision diagnosis "
             "needs a floating-point model (diagnose the float model before quantization)"
         )
+
+
+def _check_optimizer(model: nn.Module, optimizer: Any, *, trains_itself: bool) -> None:
+    """An optimizer over this model's parameters that trains something (unless a train_step does its own)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ScenarioError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    own = {id(p) for p in model.parameters()}
+    foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
+    if foreign:
+        raise ScenarioError(
+            f"the optimizer holds {len(foreign)} tensor(s) that are not parameters of this model; build the "
+            "optimizer from model.parameters() of the model you pass"
+        )
+    if not trains_itself and not any(p.requires_grad for g in optimizer.param_groups for p in g["params"]):
+        raise ScenarioError(
+            "an optimizer was given but none of its parameters requires grad (model.requires_grad_(False)?), so "
+            "no step would train anything; unfreeze the parameters you train, or pass no optimizer for a "
+            "forward-only diagnosis"
+        )
+
+
+def make_spec(
+    model: Any,
+    batch: Any = None,
+    *,
+    precision: str | None = None,
+    loss_fn: Any = None,
+    optimizer: Any = None,
+    scaler: Any = None,
+    train_step: Any = None,
+    steps: int = 1,
+    source: str = "",
+) -> StepSpec:
+    """Validate user input; raises :class:`ScenarioError` (or TypeError) saying what to do. Changes nothing.
+
+    The checks run in this order (the first problem is the one reported): the model, the precision, the model's
+    weights, the callables, the optimizer, the scaler, the steps, the batch."""
+    _check_model(model)
+    if precision not in PRECISIONS:
+        allowed = ", ".join(repr(p) for p in PRECISIONS)
+        raise ScenarioError(f"invalid precision {precision!r}, expected one of {allowed}")
+    _check_weights(model)
     if loss_fn is not None and not callable(loss_fn):
         raise ScenarioError(f"loss_fn must be callable as loss_fn(output, batch) -> scalar Tensor, got {loss_fn!r}")
     if train_step is not None and not callable(train_step):
         raise ScenarioError(f"train_step must be callable as train_step(model, batch), got {train_step!r}")
     if optimizer is not None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ScenarioError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        own = {id(p) for p in model.parameters()}
-        foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
-        if foreign:
-            raise ScenarioError(
-                f"the optimizer holds {len(foreign)} tensor(s) that are not parameters of this model; build the "
-                "optimizer from model.parameters() of the model you pass"
-            )
-        if train_step is None and not any(p.requires_grad for g in optimizer.param_groups for p in g["params"]):
-            raise ScenarioError(
-                "an optimizer was given but none of its parameters requires grad (model.requires_grad_(False)?), so "
-                "no step would train anything; unfreeze the parameters you train, or pass no optimizer for a "
-                "forward-only diagnosis"
-            )
+        _check_optimizer(model, optimizer, trains_itself=train_step is not None)
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise ScenarioError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
     check_steps(steps)

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ampdoctor.findings._types import Report
+from ampdoctor.findings import Report
 from ampdoctor.report import _format as F
 from ampdoctor.report._svg import figure_svg
 from ampdoctor.report.jsonio import _write_atomic
@@ -151,45 +151,52 @@ def _hover(r: F.LayerRow) -> str:
     return "<br>".join(parts)
 
 
-def _range_figure(report: Report, rows: list[F.LayerRow]) -> dict[str, Any]:
-    depths = [float(r.depth) for r in rows]
-    lo, hi = min(depths), max(depths)
-    if lo == hi:
-        lo, hi = lo - 0.5, hi + 0.5
-    values = [v for r in rows for v in (_positive(r.ref_absmax), _positive(r.target_absmax)) if v is not None]
+#: forward and backward rows: (phase, suffix of the trace name, line dash)
+_PHASE_LINES = (("forward", "", "solid"), ("backward", " (backward)", "dot"))
+
+
+def _phase_rows(rows: list[F.LayerRow]) -> list[tuple[list[F.LayerRow], str, str]]:
+    """``(rows of the phase, name suffix, dash)`` for the forward rows, then the backward ones."""
+    return [([r for r in rows if (r.phase == "backward") == (phase == "backward")], suffix, dash)
+            for phase, suffix, dash in _PHASE_LINES]
+
+
+def _layer_line(name: str, sub: list[F.LayerRow], ys: list[Any], color: str, dash: str, *, yaxis: str | None = None,
+                **tail: Any) -> dict[str, Any]:
+    """A lines+markers trace over layer depth, hovering each row's numbers (``tail``: more keys at the end)."""
+    trace: dict[str, Any] = {"type": "scatter", "mode": "lines+markers", "name": name, "x": [r.depth for r in sub],
+                             "y": ys}
+    if yaxis is not None:
+        trace["yaxis"] = yaxis
+    trace.update({"text": [_hover(r) for r in sub], "hovertemplate": "%{text}<extra></extra>",
+                  "line": {"color": color, "dash": dash}, **tail})
+    return trace
+
+
+def _show_bf16(report: Report, rows: list[F.LayerRow], values: list[float]) -> bool:
+    """Whether the bf16 range lines are shown (else only in the legend): a bf16 run or values beyond fp16."""
     summary = report.summary if isinstance(report.summary, Mapping) else {}
     precision = str(report.precision or summary.get("precision") or "")
-    show_bf16 = (
-        precision.startswith("bf16") or any(v > 1e30 for v in values) or any(r.dtype == "bfloat16" for r in rows)
-    )
+    return precision.startswith("bf16") or any(v > 1e30 for v in values) or any(r.dtype == "bfloat16" for r in rows)
+
+
+def _absmax_lines(rows: list[F.LayerRow]) -> list[dict[str, Any]]:
+    """The reference's and the target's |max| per layer, forward and backward."""
     data: list[dict[str, Any]] = []
-    for phase, suffix, dash in (("forward", "", "solid"), ("backward", " (backward)", "dot")):
-        sub = [r for r in rows if (r.phase == "backward") == (phase == "backward")]
-        if not sub:
-            continue
+    for sub, suffix, dash in _phase_rows(rows):
         for name, color, get in (
             ("reference |max|", _REF_COLOR, lambda r: r.ref_absmax),
             ("target |max|", _TARGET_COLOR, lambda r: r.target_absmax),
         ):
             ys = [_positive(get(r)) for r in sub]
-            if all(y is None for y in ys):
-                continue
-            data.append(
-                {
-                    "type": "scatter",
-                    "mode": "lines+markers",
-                    "name": name + suffix,
-                    "x": [r.depth for r in sub],
-                    "y": ys,
-                    "text": [_hover(r) for r in sub],
-                    "hovertemplate": "%{text}<extra></extra>",
-                    "line": {"color": color, "dash": dash},
-                    "marker": {"size": 6},
-                    "connectgaps": False,
-                }
-            )
-    visible_lines = [v for label, v in F.RANGE_LINES if show_bf16 or not label.startswith("bf16")]
-    top = 4.0 * max(values + visible_lines)
+            if sub and not all(y is None for y in ys):
+                data.append(_layer_line(name + suffix, sub, ys, color, dash, marker={"size": 6}, connectgaps=False))
+    return data
+
+
+def _nonfinite_markers(rows: list[F.LayerRow], top: float) -> list[dict[str, Any]]:
+    """Markers at the top of the plot where the target's |max| is inf or nan."""
+    data: list[dict[str, Any]] = []
     for name, pick, symbol in (
         ("target |max| = inf (overflow)", lambda r: r.overflowed, "x"),
         ("target |max| = nan", lambda r: r.target_nan, "circle-open"),
@@ -208,6 +215,12 @@ def _range_figure(report: Report, rows: list[F.LayerRow]) -> dict[str, Any]:
                     "marker": {"symbol": symbol, "size": 11, "color": _TARGET_COLOR},
                 }
             )
+    return data
+
+
+def _format_limits(lo: float, hi: float, show_bf16: bool) -> list[dict[str, Any]]:
+    """Horizontal lines at the formats' limits (bf16's only in the legend unless ``show_bf16``)."""
+    data: list[dict[str, Any]] = []
     for label, value in F.RANGE_LINES:
         key = label.rsplit(" ", 1)[0]
         color, dash = _LINE_STYLE.get(key, ("#7f7f7f", "dot"))
@@ -223,6 +236,19 @@ def _range_figure(report: Report, rows: list[F.LayerRow]) -> dict[str, Any]:
         if label.startswith("bf16") and not show_bf16:
             trace["visible"] = "legendonly"
         data.append(trace)
+    return data
+
+
+def _range_figure(report: Report, rows: list[F.LayerRow]) -> dict[str, Any]:
+    depths = [float(r.depth) for r in rows]
+    lo, hi = min(depths), max(depths)
+    if lo == hi:
+        lo, hi = lo - 0.5, hi + 0.5
+    values = [v for r in rows for v in (_positive(r.ref_absmax), _positive(r.target_absmax)) if v is not None]
+    show_bf16 = _show_bf16(report, rows, values)
+    visible_lines = [v for label, v in F.RANGE_LINES if show_bf16 or not label.startswith("bf16")]
+    top = 4.0 * max(values + visible_lines)
+    data = _absmax_lines(rows) + _nonfinite_markers(rows, top) + _format_limits(lo, hi, show_bf16)
     layout = {
         "title": {"text": "Range per layer: fp32 reference vs target precision"},
         "xaxis": {"title": {"text": "layer depth (order of first execution)"}},
@@ -237,8 +263,7 @@ def _range_figure(report: Report, rows: list[F.LayerRow]) -> dict[str, Any]:
 
 def _error_figure(rows: list[F.LayerRow]) -> dict[str, Any]:
     data: list[dict[str, Any]] = []
-    for phase, suffix, dash in (("forward", "", "solid"), ("backward", " (backward)", "dot")):
-        sub = [r for r in rows if (r.phase == "backward") == (phase == "backward")]
+    for sub, suffix, dash in _phase_rows(rows):
         flush = [r.flush_fraction if r.flush_fraction is not None and math.isfinite(r.flush_fraction) else None
                  for r in sub]
         rel = [_positive(r.rel_error) for r in sub]
@@ -246,21 +271,8 @@ def _error_figure(rows: list[F.LayerRow]) -> dict[str, Any]:
             ("flush fraction", flush, "#2ca02c", "y"),
             ("relative error", rel, "#9467bd", "y2"),
         ):
-            if all(y is None for y in ys):
-                continue
-            data.append(
-                {
-                    "type": "scatter",
-                    "mode": "lines+markers",
-                    "name": name + suffix,
-                    "x": [r.depth for r in sub],
-                    "y": ys,
-                    "yaxis": axis,
-                    "text": [_hover(r) for r in sub],
-                    "hovertemplate": "%{text}<extra></extra>",
-                    "line": {"color": color, "dash": dash},
-                }
-            )
+            if not all(y is None for y in ys):
+                data.append(_layer_line(name + suffix, sub, ys, color, dash, yaxis=axis))
     layout = {
         "title": {"text": "Values flushed to zero and relative error per layer"},
         "xaxis": {"title": {"text": "layer depth (order of first execution)"}},
