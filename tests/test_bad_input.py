@@ -20,17 +20,9 @@ from torch import nn
 
 import ampdoctor
 from ampdoctor.precision import ScenarioError
+from tests._models import TinyLinear as Net
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bad-input.md"
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x)
 
 
 class IntOnly(nn.Module):

@@ -32,21 +32,13 @@ from ampdoctor.diagnose import DiagnosisError
 from ampdoctor.fixes import NoFixError, diagnose_and_fix
 from ampdoctor.fixes import fix as apply_fix
 from ampdoctor.precision import MAX_STEPS, ScenarioError
+from tests._models import TinyLinear as Net
 from tests.conftest import state_digest
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bad-input.md"
 
 
 # ------------------------------------------------------------------------------------------- tiny models
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x)
-
-
 class Two(nn.Module):
     def __init__(self) -> None:
         super().__init__()

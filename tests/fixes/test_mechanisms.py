@@ -25,6 +25,7 @@ from ampdoctor.cli import main
 from ampdoctor.findings import REMEDIES, FixProposal, Report, remedies_for
 from ampdoctor.fixes import FIXES, fix, verify
 from ampdoctor.precision import StepSpec
+from tests._models import RMSNet, confident_classifier
 
 STEPS = 3
 
@@ -45,32 +46,8 @@ def _proposal(report: Report, code: str, fix_id: str) -> FixProposal:
 
 
 # ---------------------------------------------------------------------------------------------------- log(softmax)
-class Scorer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(32, 10)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.log(torch.softmax(self.proj(h), -1))
-
-
-class Classifier(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(16, 32)
-        self.scorer = Scorer()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scorer(torch.relu(self.fc(x)))
-
-
 def _classifier_spec() -> StepSpec:
-    torch.manual_seed(0)
-    model = Classifier()
-    with torch.no_grad():
-        model.scorer.proj.weight.mul_(40.0)  # confident: the smallest probabilities are ~1e-10, 0 in fp16
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    y = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(2))
+    model, x, y = confident_classifier()  # the smallest probabilities are ~1e-10, 0 in fp16
     return _spec(model, x, lambda o, b: F.nll_loss(o.float(), y))
 
 
@@ -128,30 +105,9 @@ def test_mask_literal_out_of_range_gets_finfo_min_and_it_verifies() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- eps
-class PaddedRMS(nn.Module):
-    def __init__(self, eps: float) -> None:
-        super().__init__()
-        self.proj = nn.Linear(8, 8)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.proj(x) * (torch.arange(x.shape[1]) % 4 != 0).to(x.dtype).unsqueeze(-1)  # padded rows are 0
-        return y / torch.sqrt((y * y).mean(-1, keepdim=True) + self.eps)
-
-
-class EpsNet(nn.Module):
-    def __init__(self, eps: float) -> None:
-        super().__init__()
-        self.block = PaddedRMS(eps)
-        self.out = nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.block(x)).mean()
-
-
 def test_eps_that_is_zero_in_fp16_gets_a_dtype_aware_eps_and_it_verifies() -> None:
     torch.manual_seed(0)
-    spec = _spec(EpsNet(1e-10), torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(1)))
+    spec = _spec(RMSNet(1e-10, mean=True), torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(1)))
     report = _diagnose(spec)
     p = _proposal(report, "constant-out-of-range", "dtype_eps")
     assert p.params == {"modules": ["block"]} and "torch.finfo(x.dtype).tiny" in p.snippet

