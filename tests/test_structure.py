@@ -44,23 +44,10 @@ MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
 
 #: modules over the size limit today, with the area whose issue splits them (remove an entry once it is done)
-BIG_MODULES_ALLOWED: dict[str, str] = {
-    "fixes/_actions.py": "runner-fixes (issue 12.1/15)",
-    "fixes/_verify.py": "runner-fixes (issue 12.1/15)",
-    "watch/_guard.py": "watch (issue 12.4)",
-    "precision/_step.py": "runner-fixes (issue 12.1)",
-}
+BIG_MODULES_ALLOWED: dict[str, str] = {}
 
 #: functions over the size limit today without a ``# long:`` comment, with the owning area (only shrinks)
-LONG_ALLOWED: dict[str, str] = {
-    "fixes/_verify.py:run_curve": "runner-fixes (issue 12.1)",
-    "fixes/_verify.py:_verify_plan": "runner-fixes (issue 12.1)",
-    "precision/_runner.py:run": "runner-fixes (issue 12.1)",
-    "precision/_spec.py:make_spec": "reliability (issue 16)",
-    "report/html.py:_range_figure": "perf (issue 18)",
-    "watch/_guard.py:Watch._setup": "watch (issue 12.4)",
-    "diagnose_generate.py:diagnose_generate": "inference (issue 17)",
-}
+LONG_ALLOWED: dict[str, str] = {}
 
 #: modules whose docstring examples run as they are (``doctest``)
 DOCTEST_MODULES = (
@@ -166,6 +153,58 @@ def test_the_cycle_detector_sees_a_cycle(monkeypatch: pytest.MonkeyPatch) -> Non
     fake["ampdoctor.findings._common"] = [*GRAPH["ampdoctor.findings._common"], ("ampdoctor.findings._core_rules", 1)]
     monkeypatch.setattr(__import__(__name__, fromlist=["GRAPH"]), "GRAPH", fake)
     assert any("ampdoctor.findings._common" in c and "ampdoctor.findings._core_rules" in c for c in _cycles())
+
+
+def _private(parts: list[str]) -> bool:
+    return any(s.startswith("_") and not s.startswith("__") for s in parts)
+
+
+def _private_imports(path: pathlib.Path, own: str | None) -> list[str]:
+    """``line: what`` for every import in ``path`` (lazy and TYPE_CHECKING ones too) of a ``_private`` ampdoctor
+    module or name outside the package ``own`` (``None``: every private module or name is foreign)."""
+    out: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            pairs = [(a.name, "") for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            pairs = [(node.module, a.name) for a in node.names]
+        else:
+            continue
+        for module, name in pairs:
+            parts = module.split(".")
+            if parts[0] != "ampdoctor" or (own is not None and len(parts) > 1 and parts[1] == own):
+                continue
+            if _private(parts[1:]) or _private([name]):
+                out.append(f"{node.lineno}: {module}{' import ' + name if name else ''}")
+    return out
+
+
+def _package(path: pathlib.Path) -> str | None:
+    """The top-level package of an ampdoctor module (``None`` for the root modules: diagnose.py, errors.py, ...)."""
+    parts = path.relative_to(ROOT).parts
+    return parts[0] if len(parts) > 1 else None
+
+
+def test_no_private_imports_across_packages() -> None:
+    """A module imports another package's public names only (private modules of its own package are fine)."""
+    bad = [f"{p.relative_to(ROOT)}:{hit}" for p in MODULES.values() for hit in _private_imports(p, _package(p))]
+    assert not bad, "private names imported across packages (give them a public home):\n" + "\n".join(bad)
+
+
+def test_bench_uses_only_the_public_api() -> None:
+    bench = sorted((ROOT.parent / "bench").glob("*.py"))
+    assert bench
+    bad = [f"bench/{p.name}:{hit}" for p in bench for hit in _private_imports(p, None)]
+    assert not bad, "bench scripts import private ampdoctor modules or names:\n" + "\n".join(bad)
+
+
+def test_the_private_import_check_can_fail(tmp_path: pathlib.Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("from ampdoctor.findings._types import Report\nfrom ampdoctor.fixes import _x\n"
+                   "def f():\n    import ampdoctor.trace._modules\nfrom ampdoctor.findings import Report\n")
+    assert _private_imports(src, "report") == ["1: ampdoctor.findings._types import Report",
+                                               "2: ampdoctor.fixes import _x", "4: ampdoctor.trace._modules"]
+    assert _private_imports(src, "findings") == ["2: ampdoctor.fixes import _x", "4: ampdoctor.trace._modules"]
 
 
 def _long_functions(path: pathlib.Path) -> list[tuple[str, int]]:
