@@ -22,7 +22,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("ampdoctor.integrations.hf needs transformers: pip install ampdoctor[hf]") from e
 
 from ampdoctor.findings import Report
-from ampdoctor.watch import Watch, check_watch_options, watch
+from ampdoctor.integrations._callback import callback_watch_options
+from ampdoctor.watch import Watch, watch
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +39,7 @@ class AmpDoctorCallback(TrainerCallback):
     """
 
     def __init__(self, **watch_options: Any) -> None:
-        check_watch_options(**watch_options)       # a typo raises here, not inside the training run
-        self.stop_on_anomaly = watch_options.get("on_anomaly") == "raise"
-        if self.stop_on_anomaly:
-            watch_options = {**watch_options, "on_anomaly": "skip"}
-        self.watch_options = watch_options
+        self.watch_options, self.stop_on_anomaly = callback_watch_options(watch_options)
         self.watch: Watch | None = None
         self.report: Report | None = None
         self.error: str | None = None
