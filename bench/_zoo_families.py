@@ -119,6 +119,11 @@ _DEC = {
     "xglm": ("XGLMForCausalLM", "XGLMConfig", dict(vocab_size=V, d_model=32, num_layers=2, attention_heads=4,
                                                    ffn_dim=64, max_position_embeddings=64, dropout=0.0)),
     "biogpt": ("BioGptForCausalLM", "BioGptConfig", dict(_TXT, **_DROP)),
+    # state-space and linear-attention decoders (no softmax attention at all)
+    "mamba": ("MambaForCausalLM", "MambaConfig", dict(vocab_size=V, hidden_size=32, state_size=8, num_hidden_layers=2,
+                                                      intermediate_size=64, expand=2, conv_kernel=4, time_step_rank=4)),
+    "rwkv": ("RwkvForCausalLM", "RwkvConfig", dict(vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                                                   attention_hidden_size=32, intermediate_size=64, context_length=64)),
 }
 
 _ENC = {
@@ -140,6 +145,8 @@ _ENC = {
     "ernie": ("ErnieForMaskedLM", "ErnieConfig", dict(_TXT, **_DROP)),
     "modernbert": ("ModernBertForMaskedLM", "ModernBertConfig", dict(_TXT, global_attn_every_n_layers=2,
                                                                      local_attention=4)),
+    "squeezebert": ("SqueezeBertForMaskedLM", "SqueezeBertConfig", dict(_TXT, embedding_size=32, **_DROP)),
+    "layoutlm": ("LayoutLMForMaskedLM", "LayoutLMConfig", dict(_TXT, max_2d_position_embeddings=64, **_DROP)),
 }
 
 _S2S = dict(vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
@@ -159,6 +166,14 @@ _ENCDEC = {
     "marian": ("MarianMTModel", "MarianConfig", dict(_S2S, decoder_vocab_size=V)),
     "blenderbot_small": ("BlenderbotSmallForConditionalGeneration", "BlenderbotSmallConfig", dict(_S2S)),
     "m2m_100": ("M2M100ForConditionalGeneration", "M2M100Config", dict(_S2S)),
+    "led": ("LEDForConditionalGeneration", "LEDConfig", dict(
+        {k: v for k, v in _S2S.items() if k != "max_position_embeddings"}, max_encoder_position_embeddings=64,
+        max_decoder_position_embeddings=64, attention_window=[4])),
+    "prophetnet": ("ProphetNetForConditionalGeneration", "ProphetNetConfig", dict(
+        vocab_size=V, hidden_size=32, encoder_ffn_dim=64, decoder_ffn_dim=64, num_encoder_layers=1,
+        num_decoder_layers=1, num_encoder_attention_heads=4, num_decoder_attention_heads=4, max_position_embeddings=64,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, ngram=2, pad_token_id=0, decoder_start_token_id=2,
+        eos_token_id=1, bos_token_id=2)),
 }
 
 for _n, (_m, _c, _k) in _DEC.items():
@@ -198,6 +213,13 @@ _VISION = {
                                                                                 depths=[1, 1], num_encoder_blocks=2,
                                                                                 patch_sizes=[7, 3], strides=[4, 2],
                                                                                 padding=[2, 1], drop_path_rate=0.0)),
+    "segformer": ("SegformerForImageClassification", "SegformerConfig", dict(
+        num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16], patch_sizes=[7, 3], strides=[4, 2],
+        num_attention_heads=[1, 2], mlp_ratios=[2, 2], decoder_hidden_size=16, drop_path_rate=0.0,
+        classifier_dropout_prob=0.0, **_DROP)),
+    "mobilevit": ("MobileViTForImageClassification", "MobileViTConfig", dict(
+        image_size=32, hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64], num_attention_heads=2,
+        classifier_dropout_prob=0.0, **_DROP)),
 }
 for _n, (_m, _c, _k) in _VISION.items():
     family(_n, "vision")(lambda m=_m, c=_c, k=_k: _image(m, c, **k))

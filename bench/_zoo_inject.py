@@ -23,12 +23,15 @@ FP16_MAX = 65504.0
 @dataclass(frozen=True)
 class Probe:
     """One fp32 forward/backward of the healthy model: per module that ran, its output's shape, dtype and |max|,
-    and whether its own weight got a nonzero gradient (its output reaches the loss)."""
+    and whether its own weight got a nonzero gradient (its output reaches the loss); plus, from one forward under
+    fp16 autocast, which modules' outputs autocast computes in fp16 (a fault injected into a module whose output
+    autocast keeps in float32 -- a norm that autocast runs in fp32 -- is no fault in an autocast run)."""
 
     out_shape: dict[str, tuple[int, ...]]
     out_absmax: dict[str, float]
     weight_grad: dict[str, bool]
     ran: tuple[str, ...]
+    low_under_amp: frozenset[str] | None = None  # None: the autocast forward failed, no filter
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,28 @@ def probe(model: nn.Module, batch: Any, loss_of: Callable[[Any], torch.Tensor]) 
         w = getattr(m, "weight", None)
         if isinstance(w, nn.Parameter):
             grads[name] = w.grad is not None and bool(w.grad.abs().sum() > 0)
-    return Probe(shapes, amax, grads, tuple(ran))
+    return Probe(shapes, amax, grads, tuple(ran), _low_under_amp(model, loss_of))
+
+
+def _low_under_amp(model: nn.Module, loss_of: Callable[[Any], torch.Tensor]) -> frozenset[str] | None:
+    """Modules whose output is fp16 in one forward under fp16 autocast (CPU)."""
+    low: set[str] = set()
+    handles = []
+    for name, m in model.named_modules():
+        def hook(mod: nn.Module, args: Any, out: Any, name: str = name) -> None:
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float16:
+                low.add(name)
+        if name:
+            handles.append(m.register_forward_hook(hook))
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+            loss_of(model)
+    except Exception:  # noqa: BLE001 - a family whose autocast forward fails: no filter
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    return frozenset(low)
 
 
 def _pick(rng: random.Random, names: list[str], what: str) -> str:
@@ -106,7 +130,8 @@ def _linear_candidates(model: nn.Module, p: Probe) -> list[str]:
     mods = dict(model.named_modules())
     owned = dict(model.named_parameters())  # a tied weight is listed once, under its first owner
     return [n for n in p.ran if is_weighted_leaf(mods[n]) and p.weight_grad.get(n) and p.out_shape.get(n)
-            and p.out_absmax.get(n, 0.0) > 0 and f"{n}.weight" in owned]
+            and p.out_absmax.get(n, 0.0) > 0 and f"{n}.weight" in owned
+            and (p.low_under_amp is None or n in p.low_under_amp)]
 
 
 def _subclass(m: nn.Module, extra: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> None:
@@ -188,6 +213,20 @@ def buffer_cast(model: nn.Module, p: Probe, rng: random.Random) -> Injection:
     d = p.out_shape[name][-1]
     m.register_buffer("freq", 1.0 / (10000.0 ** (torch.arange(d, dtype=torch.float32) / max(d, 1))))
     _subclass(m, _freq_modulation)
+    return Injection(name)
+
+
+def _stored_gain(self: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    return y * (self.gain_table / 1e5).to(y.dtype)  # 1e5 / 1e5 = 1 in fp32; inf / 1e5 = inf once stored in fp16
+
+
+@mechanism("buffer-overflow", precision="fp16", codes=("overflow",))
+def buffer_overflow(model: nn.Module, p: Probe, rng: random.Random) -> Injection:
+    """A float32 buffer holding 1e5 (past fp16's 65504), read as a gain: ``model.half()`` stores it as inf."""
+    name = _pick(rng, _linear_candidates(model, p), "buffer-overflow")
+    m = dict(model.named_modules())[name]
+    m.register_buffer("gain_table", torch.full((p.out_shape[name][-1],), 1e5))
+    _subclass(m, _stored_gain)
     return Injection(name)
 
 

@@ -61,10 +61,10 @@ def build(family: str, seed: int = 0) -> Built:
 
 def _diagnose(built: Built, family: str, precision: str, lr: float = 1e-3) -> ampdoctor.Report:
     model = built.model
-    # whole-model bf16 runs forward + backward without an optimizer step: AdamW on bf16 weights loses its small
+    # whole-model bf16/fp16 runs forward + backward without an optimizer step: AdamW on bf16 weights loses its small
     # steps (LayerNorm gains at 1.0 ignore updates below 2**-8), which ampdoctor rightly reports as
     # low-precision-params -- the low-precision-update mechanism tests exactly that
-    opt = None if precision == "bf16" else torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = None if precision in ("bf16", "fp16") else torch.optim.AdamW(model.parameters(), lr=lr)
     scaler = torch.amp.GradScaler("cpu") if precision == "fp16-amp" else None
     return ampdoctor.diagnose(model, built.batch, precision=precision, loss_fn=loss_for(family, built),
                               optimizer=opt, scaler=scaler)
