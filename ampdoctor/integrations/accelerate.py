@@ -22,7 +22,12 @@ from ampdoctor.watch import Watch, watch
 
 
 def watch_accelerator(accelerator: Any, model: Any, optimizer: Any = None, **watch_options: Any) -> Watch:
-    """A :class:`~ampdoctor.watch.Watch` over a prepared ``model``/``optimizer`` of ``accelerator``."""
+    """A :class:`~ampdoctor.watch.Watch` over a prepared ``model``/``optimizer`` of ``accelerator``; when the
+    steps do not run in the ``mixed_precision`` asked for, the report's ``precision_note`` says so."""
     unwrap = getattr(accelerator, "unwrap_model", None)
     inner = unwrap(model) if callable(unwrap) else model
-    return watch(inner, optimizer, getattr(accelerator, "scaler", None), **watch_options)
+    w = watch(inner, optimizer, getattr(accelerator, "scaler", None), **watch_options)
+    mp = str(getattr(accelerator, "mixed_precision", "no"))
+    if mp in ("fp16", "bf16"):      # mixed_precision="fp16" on CPU runs in fp32: the report says so
+        w.expect_precision(mp, f"Accelerator(mixed_precision={mp!r})")
+    return w

@@ -53,10 +53,9 @@ class AmpDoctorCallback(TrainerCallback):
         scaler = getattr(optimizer, "scaler", None)      # accelerate's AcceleratedOptimizer holds the GradScaler
         self.watch = watch(model, optimizer, scaler, **self.watch_options)
         self.watch.__enter__()
-        if getattr(args, "fp16", False) and next((p.device.type for p in model.parameters()), "cpu") == "cpu" \
-                and scaler is None:
-            log.warning("ampdoctor: fp16=True but the model trains on CPU without a GradScaler: the Trainer runs "
-                        "this in fp32 (or bf16 autocast), not fp16; the watch reports what really runs")
+        for flag in ("fp16", "bf16"):       # fp16=True on CPU runs in fp32: the report says so (precision_note)
+            if getattr(args, flag, False) is True:
+                self.watch.expect_precision(flag, f"Trainer({flag}=True)")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         w = self.watch
@@ -83,10 +82,12 @@ class AmpDoctorCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         report = self.close()
         if report is not None:
-            state.log_history.append({
-                "ampdoctor/verdict": "ok" if report.ok else "error",
-                "ampdoctor/findings": [f"{f.severity}:{f.code}@{f.module or '<root>'}" for f in report.findings],
-                "step": state.global_step})
+            entry = {"ampdoctor/verdict": "ok" if report.ok else "error",
+                     "ampdoctor/findings": [f"{f.severity}:{f.code}@{f.module or '<root>'}" for f in report.findings],
+                     "step": state.global_step}
+            if "precision_note" in report.summary:
+                entry["ampdoctor/precision_note"] = report.summary["precision_note"]
+            state.log_history.append(entry)
 
     def close(self) -> Report | None:
         """Detach the watch (if attached), keep and log its report."""
@@ -108,6 +109,8 @@ class AmpDoctorCallback(TrainerCallback):
 
 
 def _log_report(report: Report) -> None:
+    if "precision_note" in report.summary:
+        log.warning("ampdoctor: %s", report.summary["precision_note"])
     if not report.findings:
         log.info("ampdoctor: no findings over %s step(s)", report.summary.get("steps", 0))
         return

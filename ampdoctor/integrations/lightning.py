@@ -66,6 +66,9 @@ class AmpDoctorCallback(Callback):
                            scaler if isinstance(scaler, torch.amp.GradScaler) else None, **self.watch_options)
         self.watch.__enter__()
         self.watch.replay_with(self._replay_step)
+        asked = _requested_precision(trainer)
+        if asked is not None:           # steps that do not run the Trainer's precision: precision_note
+            self.watch.expect_precision(*asked)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.watch is not None:
@@ -131,6 +134,21 @@ class AmpDoctorCallback(Callback):
             w.__exit__(None, None, None)
         finally:
             self.report = w.report()
+            if "precision_note" in self.report.summary:
+                log.warning("ampdoctor: %s", self.report.summary["precision_note"])
             level = logging.INFO if self.report.ok else logging.WARNING
             for f in self.report.findings:
                 log.log(level, "ampdoctor: [%s] %s at %s: %s", f.severity, f.code, f.module or "<root>", f.title)
+
+
+def _requested_precision(trainer: Any) -> tuple[str, str] | None:
+    """The Trainer's precision as ``("fp16"|"bf16", "Trainer(precision=...)")``; ``None`` for 32/64 bits. Lightning
+    itself replaces ``"16-mixed"`` on CPU by ``"bf16-mixed"`` (with its own warning; the report's ``precision`` then
+    reads ``bf16-amp``); a note comes when the steps do not run what the Trainer says (no autocast seen)."""
+    asked = getattr(trainer, "precision", None)
+    text = str(asked)
+    if text.startswith("bf16"):
+        return "bf16", f"Trainer(precision={asked!r})"
+    if text.startswith("16"):
+        return "fp16", f"Trainer(precision={asked!r})"
+    return None

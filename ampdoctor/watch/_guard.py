@@ -154,6 +154,13 @@ class Watch:
             raise TypeError(f"train_step must be callable as train_step(model, batch), got {train_step!r}")
         self._policy.train_step = train_step
 
+    def expect_precision(self, requested: str, by: str) -> None:
+        """What the user asked ``by`` (a framework: ``"Trainer(fp16=True)"``) to run, ``"fp16"`` or ``"bf16"``;
+        a report whose steps ran otherwise says so (``precision_note``), e.g. fp16 on CPU that runs in fp32."""
+        if requested not in ("fp16", "bf16"):
+            raise ValueError(f"requested precision must be 'fp16' or 'bf16', got {requested!r}")
+        self._policy.requested = (requested, by)
+
     def add_scalar_sink(self, fn: ScalarSink) -> None:
         """Also send the watch's scalars (``ampdoctor/loss``, ``ampdoctor/loss_scale``, ``ampdoctor/grad_norm``)
         to ``fn(tag, value, step)`` (a framework's logger); a sink that raises is dropped with one warning."""

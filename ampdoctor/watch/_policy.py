@@ -66,6 +66,8 @@ class AnomalyPolicy:
         self.train_step: Callable[..., Any] | None = None
         #: data-parallel ranks agree on raise/skip (:mod:`ampdoctor.watch._ranks`); None: decide locally
         self.ranks: RankAgreement | None = None
+        #: the precision a framework was asked for, and by what (``Watch.expect_precision``)
+        self.requested: tuple[str, str] | None = None
         #: an FSDP model: no payload (its state_dict and forward are collectives), so no reproducer and no replay
         self.sharded = False
         self._pending_raise: AnomalyError | None = None

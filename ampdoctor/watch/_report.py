@@ -63,8 +63,7 @@ def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) ->
         "on_anomaly": t.options.on_anomaly,
         "disabled": disabled,
     }
-    if ranks is not None:       # the same on every rank (but "rank"): who saw what, where the inf/NaN started
-        summary.update(ranks)
+    summary.update(_extra_summary(t, policy, precision["name"], ranks))
     if policy.replay_report is not None:
         summary["replay"] = {"source": policy.replay_report.source, "summary": policy.replay_report.summary}
     if s.broken:    # detectors that raised and were switched off (the rest of the watch kept working)
@@ -75,6 +74,17 @@ def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) ->
         summary["replay_note"] = policy.replay_note
     layers = policy.replay_report.layers if policy.replay_report is not None else ()
     return Report(tuple(findings), precision["name"], summary, layers, t.options.source or "watch")
+
+
+def _extra_summary(t: StepTracker, policy: AnomalyPolicy, ran: str | None,
+                   ranks: dict[str, Any] | None) -> dict[str, Any]:
+    """The precision a framework was asked for when the steps ran another; the ranks' agreement (the same on every
+    rank but ``rank``: who saw what, where the inf/NaN started)."""
+    out: dict[str, Any] = dict(ranks or {})
+    note = _rules.precision_note(policy.requested, ran) if t.n_steps and policy.requested else None
+    if note is not None and policy.requested is not None:
+        out["precision_requested"], out["precision_note"] = policy.requested[0], note
+    return out
 
 
 __all__ = ["build_report", "precision_of"]

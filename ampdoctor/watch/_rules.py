@@ -291,6 +291,19 @@ def order(findings: Iterable[Finding]) -> list[Finding]:
     return sorted(findings, key=lambda f: (_SEVERITY_RANK[f.severity], f.step))
 
 
+def precision_note(requested: tuple[str, str] | None, ran: str | None) -> str | None:
+    """A sentence when the steps did not run in the precision a framework was asked for (``None`` when they did):
+    ``requested`` is ``(fp16|bf16, by)``, ``ran`` the precision the watch saw (autocast dtype, else parameters)."""
+    if requested is None:
+        return None
+    want, by = requested
+    if ran is not None and ran.startswith(want):
+        return None
+    return (f"{by} asked for {want}, but the steps ran in {ran or 'fp32'} (autocast and parameters as the watch saw "
+            f"them; {want} is not applied on this device, e.g. fp16 on CPU): this report says nothing about {want}. "
+            f"Run on a GPU, or ask ampdoctor.diagnose(..., precision='{want}-amp') for what {want} would do.")
+
+
 def with_ranks(findings: Sequence[Finding], ranks: dict[str, Any]) -> list[Finding]:
     """Name the rank that saw the job's first non-finite value (``ranks``: :meth:`RankAgreement.summary`).
 
@@ -384,6 +397,7 @@ __all__ = [
     "health_finding",
     "with_health",
     "with_ranks",
+    "precision_note",
     "low_precision_findings",
     "merge_replay",
     "nonfinite_findings",
