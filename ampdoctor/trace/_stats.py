@@ -111,7 +111,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _prepare(t: torch.Tensor) -> tuple[torch.Tensor, torch.finfo]:
-    x = _local(t).detach()
+    x = _local(t)
+    if x.requires_grad:  # below autograd (inside the dispatch mode) nothing requires grad: no detach op per output
+        x = x.detach()
     finfo = torch.finfo(x.dtype)
     if x.dtype in _FP8:
         x = x.float()
@@ -192,8 +194,8 @@ def _host_row(x: torch.Tensor, finfo: torch.finfo, bounded: str | None, sc: Scra
     are skipped; zeros are counted and masked with float ops (``sign``, a sum, one ``add``), several times faster
     on CPU than comparisons into a bool mask. The norm is one pass over ``x`` (``|x|**2 == x**2``, same order):
     every number is bit-identical to :func:`_device_row` (and :func:`flush_counts`)."""
-    flat = x.reshape(-1)
-    n = flat.numel()
+    n = x.numel()
+    flat = x.reshape(-1) if n > CPU_CHUNK else x  # one chunk: any shape will do
     absmax, min_nz = 0.0, math.inf
     counts = [0, 0, 0, 0]  # zeros, subnormals, at max, at the op's bound
     flushed = [0] * len(HEADROOM_FORMATS)
