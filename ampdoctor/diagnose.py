@@ -25,6 +25,7 @@ from ampdoctor.precision import (
     saved_rng,
     spec_from_module,
 )
+from ampdoctor.precision.headroom import Headroom, headroom_from_run, headroom_spec, shares_reference
 
 log = logging.getLogger(__name__)
 
@@ -74,17 +75,22 @@ def diagnose_file(path: str, **overrides: Any) -> Report:
     return diagnose_spec(spec, policy=policy, progress=progress)
 
 
-def diagnose_spec(spec: StepSpec, *, policy: str = "cuda", progress: Any = None) -> Report:
-    """spec -> reference run -> target run -> context -> rules -> ranking -> enrichment -> agreement -> report."""
+def diagnose_spec(spec: StepSpec, *, policy: str = "cuda", progress: Any = None,
+                  reference: RunResult | None = None) -> Report:
+    """spec -> reference run -> target run -> context -> rules -> ranking -> enrichment -> agreement -> report.
+
+    ``reference``: the float32 reference run of this very spec when the caller already ran it
+    (:func:`headroom_and_diagnose`); it is not run again."""
     def phase(name: str) -> None:
         log.info("diagnose: %s", name)
         if progress is not None:
             progress(name)
 
     t0 = time.perf_counter()
-    phase("reference")
-    with saved_rng():
-        reference = run(spec, reference=True, policy=policy)
+    if reference is None:
+        phase("reference")
+        with saved_rng():
+            reference = run(spec, reference=True, policy=policy)
     phase("target")
     with saved_rng():
         target = run(spec, reference=False, policy=policy)
@@ -102,6 +108,23 @@ def diagnose_spec(spec: StepSpec, *, policy: str = "cuda", progress: Any = None)
         run_summary.update(agreement.summary())  # rank, world_size, nonfinite_ranks, nonfinite_origin, ...
     phase("done")
     return Report(tuple(findings), spec.precision, run_summary, tuple(layers(ctx)), spec.source)
+
+
+def headroom_and_diagnose(spec: StepSpec, *, policy: str = "cuda", progress: Any = None) -> tuple[Headroom, Report]:
+    """What ``ampdoctor check`` runs: the range headroom of ``spec``'s float32 step and the diagnosis in
+    ``spec.precision``. When :func:`~ampdoctor.precision.headroom.shares_reference`, ONE float32 run, traced with
+    flush counts, serves as both the headroom run and the diagnosis's reference (two runs instead of three)."""
+    if not shares_reference(spec):
+        if progress is not None:
+            progress("headroom")
+        return headroom_spec(spec), diagnose_spec(spec, policy=policy, progress=progress)
+    if progress is not None:
+        progress("headroom")
+    log.info("diagnose: reference (+ headroom)")
+    with saved_rng():
+        reference = run(spec, reference=True, policy=policy, headroom=True)
+    return headroom_from_run(spec, reference), diagnose_spec(spec, policy=policy, progress=progress,
+                                                             reference=reference)
 
 
 def _raise_unexplained_crash(spec: StepSpec, target: RunResult, findings: list[Finding]) -> None:

@@ -4,8 +4,9 @@
     python bench/check_time.py --configs small --rounds 5
 
 In one process per config, interleaved per round: a plain fp32 step (zero_grad, forward with labels, backward,
-AdamW step), ``headroom_spec`` (what ``ampdoctor headroom`` runs) and ``headroom_spec`` + ``diagnose_spec`` in
-fp16 (what ``ampdoctor check --precision fp16`` runs, without the CLI's import and model-building time). Ratio =
+AdamW step), ``headroom_spec`` (what ``ampdoctor headroom`` runs) and ``headroom_and_diagnose`` in fp16 (what
+``ampdoctor check --precision fp16`` runs: one fp32 run for headroom and the diagnosis's reference, then the fp16
+run; without the CLI's import and model-building time). Ratio =
 median over rounds of (command time / the plain step of the same round). Target (issue 18): <= 1.5x.
 Writes ``results/check_time.{json,md}``.
 """
@@ -28,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _models  # noqa: E402
 
-from ampdoctor.diagnose import diagnose_spec  # noqa: E402
+from ampdoctor.diagnose import headroom_and_diagnose  # noqa: E402
 from ampdoctor.precision import make_spec  # noqa: E402
 from ampdoctor.precision.headroom import headroom_spec  # noqa: E402
 
@@ -46,7 +47,7 @@ def measure(name: str, rounds: int) -> dict[str, Any]:
     model, opt, batch = _models.build(name)
     spec = make_spec(model, batch, optimizer=opt)
     fns = {"plain": lambda: _plain(model, opt, batch), "headroom": lambda: headroom_spec(spec),
-           "check": lambda: (headroom_spec(spec), diagnose_spec(dataclasses.replace(spec, precision="fp16")))}
+           "check": lambda: headroom_and_diagnose(dataclasses.replace(spec, precision="fp16"))}
     times: dict[str, list[float]] = {k: [] for k in fns}
     fns["plain"]()  # AdamW's state allocated before timing
     for r in range(rounds):

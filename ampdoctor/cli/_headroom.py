@@ -99,8 +99,7 @@ def check(file: str | None, hf: str | None, precision: str | None, policy: str) 
     scenario cannot be run (raises, exits, gives no result), else 0."""
     from dataclasses import replace
 
-    from ampdoctor.diagnose import diagnose_spec
-    from ampdoctor.precision.headroom import headroom_spec
+    from ampdoctor.diagnose import diagnose_spec, headroom_and_diagnose
 
     with user_code():
         spec = _spec_for(file, hf)
@@ -109,10 +108,10 @@ def check(file: str | None, hf: str | None, precision: str | None, policy: str) 
         fmt, amp = CHECK_FORMATS.get(spec.precision or "", (None, False))
         with PhaseProgress(headroom=fmt is not None) as progress:
             h = None
-            if fmt is not None:
-                progress("headroom")
-                h = headroom_spec(spec)
-            report = diagnose_spec(spec, policy=policy, progress=progress)
+            if fmt is not None:  # one fp32 run serves headroom and the diagnosis's reference where it can
+                h, report = headroom_and_diagnose(spec, policy=policy, progress=progress)
+            else:
+                report = diagnose_spec(spec, policy=policy, progress=progress)
     name = spec.precision or "as-given"
     autocast = (("cuda" if policy == "cuda" else "cpu") if amp else None)
     bad = h.predicted_failures(fmt, autocast=autocast) if h is not None and fmt is not None else []

@@ -127,9 +127,24 @@ def headroom_spec(spec: StepSpec) -> Headroom:
     spec = replace(spec, steps=1, optimizer=None, scaler=None, precision=None)
     with saved_rng():
         res = run(spec, reference=True, headroom=True)
+    return headroom_from_run(spec, res)
+
+
+def shares_reference(spec: StepSpec) -> bool:
+    """Whether the diagnosis's float32 reference run of ``spec``, traced with ``headroom=True``, is also
+    :func:`headroom_spec`'s run: one step, no loss scaler (its scaled backward would shift every gradient's range),
+    the library's own step (a user ``train_step`` may depend on the optimizer headroom leaves out). Its first
+    forward and backward are then the same ops on the same values; the optimizer step after them is ignored."""
+    scaler = spec.scaler
+    return spec.steps == 1 and spec.train_step is None and (scaler is None or not scaler.is_enabled())
+
+
+def headroom_from_run(spec: StepSpec, res: Any) -> Headroom:
+    """:class:`Headroom` from a float32 run traced with ``headroom=True`` (:func:`headroom_spec`'s own run, or a
+    diagnosis's reference run when :func:`shares_reference`): forward and backward op records of step 0."""
     best: dict[tuple[str, str], dict[str, Any]] = {}
     for r in res.trace.records:
-        if r.kind != "op" or r.phase not in ("forward", "backward") or not r.stats:
+        if r.kind != "op" or r.phase not in ("forward", "backward") or not r.stats or r.step != 0:
             continue
         s = r.stats
         if s.get("n_nan", 0) or s.get("n_posinf", 0) or s.get("n_neginf", 0) or s.get("n_at_max", 0):

@@ -225,8 +225,8 @@ class RecordingMode(TorchDispatchMode):
         rec.name = pname or (self.buffer_ptrs.get(ptr, "") if kind == "input" and ptr is not None else "")
         if not self.full:
             row = _safe(cheap_stats, t)
-        elif kind == "param" and not self.headroom:
-            row = _safe(lite_stats, t, self.scratch)
+        elif kind == "param":
+            row = self._lite_row(t)
         else:
             row = self._full_row(t, None)
         self.rows.append(row)
@@ -407,8 +407,9 @@ class RecordingMode(TorchDispatchMode):
         # uninitialised memory and views of it (collective outputs keep their statistics: the rank agreement in
         # ampdoctor.precision._distributed reads them and tolerates either side of the asynchronous update)
         uninit = base in UNINITIALISED or (view and first is not None and first.kind == "alloc")
-        if (first is not None and base in ALIASES and n_outs == 1 and not self.headroom
-                and first.row >= self._row_base and first.dtype == t.dtype and first.kind != "alloc"):
+        if (first is not None and base in ALIASES and n_outs == 1
+                and first.row >= self._row_base and first.dtype == t.dtype and first.kind != "alloc"
+                and not (self.headroom and (first.kind == "param" or first.phase == "optimizer"))):
             rec.row = first.row  # same elements: same statistics, no extra reductions
             rec.src, rec.scalars, rec.literals, rec.input_dtypes = ctx.src, ctx.scalars, ctx.literals, ctx.in_dtypes
         elif uninit:
@@ -416,8 +417,8 @@ class RecordingMode(TorchDispatchMode):
             self.rows.append(_placeholder(t, len(FULL_FIELDS) + (len(HEADROOM_FORMATS) if self.headroom else 0)))
         else:
             rec.src, rec.scalars, rec.literals, rec.input_dtypes = ctx.src, ctx.scalars, ctx.literals, ctx.in_dtypes
-            if phase == "optimizer" and not self.headroom:
-                self.rows.append(_safe(lite_stats, t, self.scratch))
+            if phase == "optimizer":
+                self.rows.append(self._lite_row(t))
             else:
                 self.rows.append(self._full_row(t, BOUNDED_OPS.get(base)))
         self.records.append(rec)
@@ -426,6 +427,18 @@ class RecordingMode(TorchDispatchMode):
             self.producer[key] = idx
             if mutated:
                 self.storage_writer[key[0]] = idx
+
+    def _lite_row(self, t: torch.Tensor) -> Any:
+        """:func:`lite_stats` (parameter leaves, optimizer outputs); in headroom mode padded with zero flush counts.
+
+        Headroom reads only forward and backward op records, so a headroom trace keeps the statistics a plain one
+        has (alias rows shared, parameters and optimizer outputs lite; only an op aliasing a lite row gets its own
+        full row, which headroom reads): one run serves both ``check``'s headroom and its diagnosis."""
+        row = _safe(lite_stats, t, self.scratch)
+        if not self.headroom:
+            return row
+        pad = [0.0] * len(HEADROOM_FORMATS)
+        return row + pad if isinstance(row, list) else torch.cat([row, row.new_zeros(len(HEADROOM_FORMATS))])
 
     def _full_row(self, t: torch.Tensor, bounded: str | None) -> Any:
         """Full statistics of ``t`` (+ flush counts in headroom mode): a device row or a host list."""

@@ -92,3 +92,59 @@ def test_unknown_format_is_rejected() -> None:
     h = headroom(_mlp(), torch.randn(2, 16), loss_fn=lambda o, b: o.pow(2).mean())
     with pytest.raises(ValueError, match="expected one of fp16, bf16, e4m3, e5m2"):
         h.predicted_failures("fp12")
+
+
+def _overflowing_spec(*, steps: int = 1, scaler: bool = False) -> object:
+    """An MLP whose first Linear reaches ~9e4 in forward (fp16 overflows there), with an AdamW step."""
+    from ampdoctor.precision import make_spec
+
+    model = _mlp()
+    with torch.no_grad():
+        model.up.weight.mul_(40000.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sc = torch.amp.GradScaler("cpu") if scaler else None
+    return make_spec(model, torch.randn(8, 16), precision="fp16", loss_fn=lambda o, b: o.float().pow(2).mean(),
+                     optimizer=opt, scaler=sc, steps=steps)
+
+
+def _findings(report: object) -> list[tuple[str, str, str, str, str]]:
+    return [(f.code, f.severity, f.module, f.op, f.phase) for f in report.findings]  # type: ignore[attr-defined]
+
+
+def test_check_runs_one_fp32_run_for_headroom_and_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``check``'s headroom and diagnosis share the fp32 run: same headroom rows and the same findings as running
+    them separately, with two runs instead of three (counted through the runner)."""
+    import importlib
+
+    from ampdoctor.diagnose import diagnose_spec, headroom_and_diagnose
+    from ampdoctor.precision.headroom import shares_reference
+
+    spec = _overflowing_spec()
+    assert shares_reference(spec)
+    alone_h, alone_r = headroom_spec(spec), diagnose_spec(spec)
+    diagnose_mod = importlib.import_module("ampdoctor.diagnose")  # ampdoctor.diagnose is also the function
+    calls: list[tuple[bool, bool]] = []
+    real_run = diagnose_mod.run
+
+    def counting_run(s, *, reference, headroom=False, **kw):  # noqa: ANN001, ANN202
+        calls.append((reference, headroom))
+        return real_run(s, reference=reference, headroom=headroom, **kw)
+
+    monkeypatch.setattr(diagnose_mod, "run", counting_run)
+    h, report = headroom_and_diagnose(spec)
+    assert calls == [(True, True), (False, False)]
+    assert h.to_dict() == alone_h.to_dict()
+    assert _findings(report) == _findings(alone_r) and report.findings
+    assert "up" in h.predicted_failures("fp16") and any(f.module == "up" for f in report.findings)
+
+
+@pytest.mark.parametrize("kind", ["steps", "scaler"])
+def test_check_runs_headroom_apart_when_the_reference_differs(kind: str) -> None:
+    """Two steps, or a loss scaler (its scaled backward shifts every gradient's range): a separate headroom run."""
+    from ampdoctor.diagnose import headroom_and_diagnose
+    from ampdoctor.precision.headroom import shares_reference
+
+    spec = _overflowing_spec(steps=2) if kind == "steps" else _overflowing_spec(scaler=True)
+    assert not shares_reference(spec)
+    h, _ = headroom_and_diagnose(spec)
+    assert h.to_dict() == headroom_spec(spec).to_dict()
