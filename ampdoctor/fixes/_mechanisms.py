@@ -13,6 +13,7 @@ QK^T remedies (scale before the matmul, SDPA) are source changes whose automatic
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,24 +100,29 @@ class MechanismMode:
             _install_scope(m, _Scope(mode=modes[self.kind], model_dtype=low))
 
 
+def _mechanism_plan(fix_id: str, remedy: str, params: dict[str, Any], ctx: FixContext,
+                    describe: Callable[[str], str]) -> FixPlan:
+    """The plan of a mechanism fix: its :class:`MechanismMode` (kind ``fix_id``) inside the named modules, the
+    remedy's snippet as the code to apply, ``describe(modules as words)`` as the description."""
+    mods = modules_param(params, ctx, fix_id)
+    return FixPlan(fix_id, {"modules": mods}, describe(_qual(mods)), REMEDIES[remedy].snippet,
+                   (MechanismMode(tuple(mods), fix_id),))
+
+
 @register_fix("log_softmax", summary="compute log(softmax(x)) as log_softmax(x) inside named modules",
               params=("modules", "module"))
 def log_softmax(params: dict[str, Any], ctx: FixContext) -> FixPlan:
-    mods = modules_param(params, ctx, "log_softmax")
-    desc = (f"inside {_qual(mods)}, log(softmax(x, dim)) is computed as log_softmax(x, dim): the probabilities "
-            "that flush to 0 are never formed (emulated by a torch-function mode; change the source as shown)")
-    return FixPlan("log_softmax", {"modules": mods}, desc, REMEDIES["log-softmax"].snippet,
-                   (MechanismMode(tuple(mods), "log_softmax"),))
+    return _mechanism_plan("log_softmax", "log-softmax", params, ctx, lambda where: (
+        f"inside {where}, log(softmax(x, dim)) is computed as log_softmax(x, dim): the probabilities "
+        "that flush to 0 are never formed (emulated by a torch-function mode; change the source as shown)"))
 
 
 @register_fix("dtype_eps", summary="an eps literal that is 0 in the low dtype becomes that dtype's finfo.tiny",
               params=("modules", "module"))
 def dtype_eps(params: dict[str, Any], ctx: FixContext) -> FixPlan:
-    mods = modules_param(params, ctx, "dtype_eps")
-    desc = (f"inside {_qual(mods)}, a literal added in fp16/bf16 that is 0 there (1e-10 in fp16) becomes "
-            "torch.finfo(dtype).tiny (6.1e-05 in fp16), so the eps keeps the value off 0 as in fp32")
-    return FixPlan("dtype_eps", {"modules": mods}, desc, REMEDIES["dtype-eps"].snippet,
-                   (MechanismMode(tuple(mods), "dtype_eps"),))
+    return _mechanism_plan("dtype_eps", "dtype-eps", params, ctx, lambda where: (
+        f"inside {where}, a literal added in fp16/bf16 that is 0 there (1e-10 in fp16) becomes "
+        "torch.finfo(dtype).tiny (6.1e-05 in fp16), so the eps keeps the value off 0 as in fp32"))
 
 
 __all__ = ["MechanismMode", "dtype_eps", "log_softmax"]
