@@ -1,9 +1,15 @@
 """ampdoctor: find, explain and fix why mixed-precision PyTorch runs produce inf/NaN or lose accuracy.
 
->>> import ampdoctor
->>> report = ampdoctor.diagnose(model, batch, precision="fp16-amp")   # doctest: +SKIP
->>> report.findings[0].code, report.findings[0].module                # doctest: +SKIP
-('overflow', 'encoder.block.0.layer.1.DenseReluDense.wo')
+>>> import torch, ampdoctor
+>>> from torch import nn
+>>> gen = torch.Generator().manual_seed(0)
+>>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+>>> with torch.no_grad():                 # weights whose products outgrow fp16's 65504
+...     _ = model[0].weight.copy_(torch.randn(8, 8, generator=gen) * 3000)
+>>> report = ampdoctor.diagnose(model, torch.randn(4, 8, generator=gen) * 10, precision="fp16")
+>>> f = report.findings[0]
+>>> report.ok, f.code, f.module, f.op, f.phase
+(False, 'overflow', '0', 'aten.addmm.default', <Phase.FORWARD: 'forward'>)
 
 ``ampdoctor.watch(...)`` is the always-on guard (a function); its reproducers replay with
 ``ampdoctor.replay(path, model_factory=...)``.

@@ -51,9 +51,17 @@ LONG_ALLOWED: dict[str, str] = {}
 
 #: modules whose docstring examples run as they are (``doctest``)
 DOCTEST_MODULES = (
+    "ampdoctor",
     "ampdoctor.errors",
+    "ampdoctor.findings._types",
+    "ampdoctor.precision._cuda_policy",
+    "ampdoctor.precision.emulation",
+    "ampdoctor.precision.fp8",
+    "ampdoctor.scenarios",
+    "ampdoctor.trace",
     "ampdoctor.trace._dtypes",
     "ampdoctor.trace._ops",
+    "ampdoctor.watch",
 )
 
 

@@ -25,13 +25,13 @@ from ampdoctor.findings._poles import flushed_pole_input
 from ampdoctor.findings._registry import RUN_END, SETUP_CRASH, SETUP_CRASHED_COVERAGE, SETUP_INPUT, Candidate, rule
 from ampdoctor.findings._remedies import propose
 from ampdoctor.findings._types import Finding, FixProposal
-from ampdoctor.trace import OPS, Kind, OpRecord, Reduces, ops_with
+from ampdoctor.trace import OPS, Family, Kind, OpRecord, Reduces, Upcast, ops_with
 
 SOFTMAX_OPS = ops_with(Kind.SOFTMAX)
 #: reductions (and the squares they sum) that the upcast_op fix can run in float32 by name; an inline ``x * x``
 #: cannot be told from any other product at the torch-function level, so it gets keep_fp32 instead
-UPCASTABLE_REDUCTIONS = frozenset({"pow", "square", "sum", "mean", "var", "std", "var_mean", "std_mean", "norm",
-                                   "linalg_vector_norm"})
+UPCASTABLE_REDUCTIONS = frozenset(n for n, i in OPS.items() if i.upcast is Upcast.FP32 and (
+    i.family is Family.NORM or i.reduces is Reduces.RATIO))
 
 
 def _out_of_range_constant(ctx: Context, r: OpRecord) -> float | None:

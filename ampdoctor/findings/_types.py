@@ -118,6 +118,15 @@ class Finding:
     the aten overload (``"aten.pow.Tensor_Scalar"``) or ``""``, ``phase`` a :class:`Phase`, ``severity`` a
     :class:`Severity` (both also accepted as their string values, and equal to them).
     ``evidence`` holds the numbers behind the explanation.
+
+    >>> f = Finding("overflow", "error", "fc1", "aten.addmm.default", "forward", "fc1 overflows float16",
+    ...             "fc1's matmul exceeds 65504", {"format_max": 65504.0, "ref_absmax": 1.2e5})
+    >>> f.severity == "error", f.phase, f.to_dict()["evidence"]["ref_absmax"]
+    (True, <Phase.FORWARD: 'forward'>, 120000.0)
+    >>> Finding("not-a-code", "error", "", "", "forward", "", "")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown finding code 'not-a-code'; expected one of ...
     """
 
     code: str
@@ -170,6 +179,13 @@ class Report:
     ``findings[0]`` is the root cause. ``ok`` is true iff no finding has severity ``"error"``.
     ``summary`` carries run facts (precision, losses of target and reference, chronological first
     non-finite op, first NaN, lineage chain) and ``layers`` per-module range statistics for plots.
+
+    >>> f = Finding("overflow", "error", "fc1", "aten.addmm.default", "forward", "fc1 overflows float16", "")
+    >>> report = Report((f,), precision="fp16")
+    >>> report.ok, report.codes(), report.root_cause is f
+    (False, ['overflow'], True)
+    >>> Report.from_dict(report.to_dict()) == report
+    True
     """
 
     findings: tuple[Finding, ...] = ()

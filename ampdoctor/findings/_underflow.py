@@ -139,7 +139,7 @@ def _pole_candidates(ctx: Context) -> list[Candidate]:
                 f"inf ({op_base(r.op)}(0)), and the inf {o.reasons[0]}. The inf is not an overflow: its cause is "
                 "this underflow.")
         fixes: list[FixProposal] = []
-        if op_base(src.op) in ops_with(Kind.SOFTMAX) and op_base(r.op) in ("log", "log2", "log10"):
+        if op_base(src.op) in ops_with(Kind.SOFTMAX) and op_base(r.op) in ops_with(Kind.LOG):
             fixes.append(propose("log-softmax", modules=[_common_scope(src.module, r.module)]))
         fixes.append(FixProposal("keep the value off 0 before the pole, with the dtype's own limit",
                                  "y = torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))"))

@@ -34,8 +34,9 @@ from ampdoctor.fixes._session import DEFAULT_STEPS
 from ampdoctor.fixes._tolerance import TOLERANCES, Tolerance
 from ampdoctor.fixes._verdict import Verification, apply_plan
 from ampdoctor.fixes._verify import diagnose_and_fix, merged_params, verify
+from ampdoctor.precision import LOW_DTYPES
 
-_WHOLE = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_WHOLE = LOW_DTYPES
 
 
 @dataclass(frozen=True)

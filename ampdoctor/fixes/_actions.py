@@ -21,7 +21,6 @@ from torch import nn
 
 from ampdoctor.fixes._scope import (
     FP16_CLAMP,
-    LOW_DTYPES,
     OP_FAMILIES,
     ClampOutputs,
     ExcludeParameters,
@@ -29,16 +28,16 @@ from ampdoctor.fixes._scope import (
     KeepFp32,
     KeepFp32Buffers,
     ScopedMode,
-    dtype_name,
     map_tensors,
     op_names,
     scopes_of,
 )
+from ampdoctor.precision import AMP_DTYPES, LOW_DTYPES
+from ampdoctor.trace import HALF_DTYPES, dtype_name
 
 log = logging.getLogger(__name__)
 
-_PRECISION_DTYPE = {"fp16": torch.float16, "fp16-amp": torch.float16, "bf16": torch.bfloat16,
-                    "bf16-amp": torch.bfloat16}
+_PRECISION_DTYPE = {**LOW_DTYPES, **AMP_DTYPES}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -67,7 +66,7 @@ class FixContext:
     def of(cls, model: nn.Module, precision: str | None, module: str = "", scaler: Any = None,
            train_step: Any = None) -> FixContext:
         dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
-        low = next((d for d in LOW_DTYPES if d in dtypes), torch.float32)
+        low = next((d for d in HALF_DTYPES if d in dtypes), torch.float32)
         dev = next((p.device.type for p in model.parameters()), "cpu")
         return cls(precision, module, dev, dtype_name(low), scaler is not None, train_step is not None, model)
 

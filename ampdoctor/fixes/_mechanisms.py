@@ -24,12 +24,13 @@ from torch.overrides import TorchFunctionMode
 from ampdoctor.findings import REMEDIES
 from ampdoctor.fixes._actions import FixContext, FixPlan, _qual, modules_param, register_fix
 from ampdoctor.fixes._scope import LOW_DTYPES, _fname, _get_module, _install_scope, _Scope
+from ampdoctor.trace import Kind, Role, op_info, ops_with, ops_with_literal, torch_names
 
-_SOFTMAX = {"softmax", "_softmax"}
+_SOFTMAX = ops_with(Kind.SOFTMAX) & ops_with(Kind.BOUNDED)
 _LOG = {"log", "log_"}
-#: ops that add a literal to a tensor (or bound it from below by one): where an eps is applied
-_EPS_FUNCS = {"add", "add_", "__add__", "__radd__", "__iadd__", "sub", "sub_", "__sub__", "__rsub__", "__isub__",
-              "clamp", "clamp_", "clamp_min", "clamp_min_"}
+#: ops that add a literal to a tensor (or bound it from below by one): where an eps is applied (the op registry's)
+_EPS_FUNCS = torch_names(ops_with_literal(Role.ADDEND) | {
+    n for n in ops_with_literal(Role.BOUND) if any(lit.name == "min" for lit in op_info(n).literals)})
 
 
 class _LogSoftmaxMode(TorchFunctionMode):

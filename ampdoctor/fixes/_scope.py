@@ -19,18 +19,26 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ampdoctor.trace import (
+    DUNDERS,
+    HALF_DTYPES,
+    Family,
+    Kind,
+    Role,
+    family_ops,
+    ops_with,
+    ops_with_literal,
+    torch_names,
+)
+
 log = logging.getLogger(__name__)
 
-LOW_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+LOW_DTYPES: tuple[torch.dtype, ...] = HALF_DTYPES
 #: ``clamp``'s default bound: fp16's max less a margin, so a clamped value survives a later add (T5's choice).
 FP16_CLAMP = float(torch.finfo(torch.float16).max) - 1000.0
 
 # ---------------------------------------------------------------------------------------------------------------
 # small helpers
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], _depth: int = 0) -> Any:
@@ -198,19 +206,12 @@ def _fname(func: Any) -> str:
     return name
 
 
-#: upcast_op families: torch function name -> what the op hands back outside autocast ("input": the inputs' low
-#: dtype, for bounded results; "fp32": keep float32, for results that may not fit).
+#: upcast_op families (the op registry's :class:`~ampdoctor.trace.Family` declarations): torch function name ->
+#: what the op hands back outside autocast ("input": the inputs' low dtype, for bounded results; "fp32": keep
+#: float32, for results that may not fit); dunders that dispatch to a member are members.
 OP_FAMILIES: dict[str, dict[str, str]] = {
-    "softmax": {n: "input" for n in ("softmax", "log_softmax", "_softmax", "_log_softmax")},
-    "norm": {**{n: "fp32" for n in ("pow", "__pow__", "square", "var", "var_mean", "std", "std_mean", "norm",
-                                    "linalg_vector_norm")},
-             **{n: "input" for n in ("layer_norm", "group_norm", "rms_norm")}},
-    "loss": {n: "fp32" for n in ("cross_entropy", "mse_loss", "nll_loss", "binary_cross_entropy_with_logits",
-                                 "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div", "sum", "mean")},
-    "exp": {n: "fp32" for n in ("exp", "expm1", "exp2")},
-    "tanh": {"tanh": "input"},
-    "sigmoid": {"sigmoid": "input"},
-}
+    f.value: {**ops, **{d: ops[b] for d, b in DUNDERS.items() if b in ops}}
+    for f in Family if (ops := family_ops(f))}
 
 
 def op_names(ops: Iterable[str]) -> dict[str, str]:
@@ -256,10 +257,10 @@ class _UpcastMode(TorchFunctionMode):
         return out
 
 
-_FILL_FUNCS = {"masked_fill", "masked_fill_", "fill_", "full", "full_like", "where", "index_fill", "index_fill_",
-               "new_full", "fill"}
-_ADD_FUNCS = {"add", "add_", "__add__", "__radd__", "__iadd__", "sub", "sub_", "__sub__", "__rsub__", "__isub__"}
-_SOFTMAX_FUNCS = {"softmax", "_softmax"}
+#: torch functions that write a literal into their output, that add one, and the (bounded) softmax: the registry's
+_FILL_FUNCS = torch_names(ops_with_literal(Role.FILL))
+_ADD_FUNCS = torch_names(ops_with_literal(Role.ADDEND))
+_SOFTMAX_FUNCS = ops_with(Kind.SOFTMAX) & ops_with(Kind.BOUNDED)
 
 
 class _SafeMaskMode(TorchFunctionMode):

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ampdoctor.findings import Report
+from ampdoctor.trace import HALF_DTYPES, dtype_name
 
 # ---------------------------------------------------------------------------------------------------------------
 # tolerances
@@ -80,7 +81,7 @@ TOLERANCES: dict[str, Tolerance] = {
     "float8_e5m2": Tolerance("float8_e5m2", 2.0 ** -3, loss=8, curve=8, grad=16, output=8),
     "float32": Tolerance("float32", 2.0 ** -24, loss=64, curve=256, grad=512, output=64),
 }
-ROUND_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+ROUND_DTYPES = {dtype_name(d): d for d in HALF_DTYPES}
 PRECISION_DTYPE = {"fp16": "float16", "fp16-amp": "float16", "bf16": "bfloat16", "bf16-amp": "bfloat16",
                     "fp8": "float8_e4m3fn", "fp8-e4m3": "float8_e4m3fn", "fp8-e5m2": "float8_e5m2"}
 _LOWEST_FIRST = ("float8_e5m2", "float8_e4m3fn", "bfloat16", "float16")

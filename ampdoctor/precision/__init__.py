@@ -42,6 +42,8 @@ from ampdoctor.precision._spec import (
     spec_from_module,
 )
 from ampdoctor.precision._step import (
+    AMP_DTYPES,
+    LOW_DTYPES,
     GradSnapshot,
     Observer,
     ParamSnapshot,
@@ -59,6 +61,8 @@ from ampdoctor.precision.fp8 import Fp8Autocast, Fp8Recipe, Fp8Stats, Fp8TensorS
 from ampdoctor.precision.headroom import Headroom, HeadroomRow, headroom
 
 __all__ = [
+    "AMP_DTYPES",
+    "LOW_DTYPES",
     "GENERATION_PRECISIONS",
     "NOISE_MARGIN_RMS",
     "NOISE_REL_ERR",

@@ -18,13 +18,14 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ampdoctor.precision._spec import ScenarioError, StepSpec
+from ampdoctor.trace import DTYPES, HALF_DTYPES
 
 log = logging.getLogger(__name__)
 
 #: Precisions that cast the whole model (and the batch) to a low-precision dtype.
-LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+LOW_DTYPES: dict[str, torch.dtype] = {i.short: i.dtype for i in DTYPES.values() if i.dtype in HALF_DTYPES}
 #: Precisions that run under autocast to a low-precision dtype.
-AMP_DTYPES = {"fp16-amp": torch.float16, "bf16-amp": torch.bfloat16}
+AMP_DTYPES: dict[str, torch.dtype] = {f"{name}-amp": dt for name, dt in LOW_DTYPES.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -74,7 +75,7 @@ def cast_batch(batch: Any, dtype: torch.dtype, only_low: bool = False) -> Any:
     def cast(t: torch.Tensor) -> torch.Tensor:
         if not t.is_floating_point():
             return t
-        if only_low and t.dtype not in (torch.float16, torch.bfloat16):
+        if only_low and t.dtype not in HALF_DTYPES:
             return t
         return t.to(dtype)
 

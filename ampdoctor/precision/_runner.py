@@ -22,7 +22,7 @@ from ampdoctor.precision._step import (
     StepLoop,
     prepare,
 )
-from ampdoctor.trace import Trace, TraceResult, iter_tensors
+from ampdoctor.trace import HALF_DTYPES, Trace, TraceResult, iter_tensors
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def _coverage(model: nn.Module, names: dict[int, str], owners: dict[int, str], o
 def _low_precision_names(spec: StepSpec) -> set[str]:
     """Trainable parameters that the target run keeps in fp16/bf16 (cast by the precision or given so)."""
     names = {id(p): n for n, p in spec.model.named_parameters()}
-    low = {torch.float16, torch.bfloat16}
+    low = set(HALF_DTYPES)
     cast = spec.precision in LOW_DTYPES
     return {names[id(p)] for p in spec.model.parameters() if p.requires_grad and (cast or p.dtype in low)}
 

@@ -69,19 +69,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampdoctor.errors import ScenarioError
 from ampdoctor.precision._cuda_policy import BANNED_MESSAGE, CUDA_OVERLOADS, CUDA_POLICY
+from ampdoctor.trace import DUNDERS, HALF_DTYPES, Kind, ops_with
 
 log = logging.getLogger(__name__)
 
 #: dtypes ``cuda_autocast`` accepts (the lower-precision dtypes CUDA autocast supports).
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = HALF_DTYPES
 
-#: Torch-level dunders whose aten op is autocast on CUDA (in-place dunders map to in-place ops, never autocast).
-DUNDER_OPS: dict[str, str] = {
-    "__matmul__": "matmul",
-    "__rmatmul__": "matmul",
-    "__pow__": "pow",
-    "__rpow__": "pow",
-}
+#: Torch-level dunders and their aten op (the op registry's; in-place dunders map to in-place ops, never autocast).
+DUNDER_OPS: dict[str, str] = DUNDERS
 
 #: C++ composite ops (CompositeImplicitAutograd) whose decomposition starts with an autocast op: on CUDA that inner
 #: op is cast, so they take its policy here. Keys are the names torch-level callables carry.
@@ -381,10 +377,7 @@ class cuda_autocast:  # noqa: N801 - a context manager named like torch.autocast
 
 #: aten GEMM-like ops (default overloads) that ``cuda_gemm`` computes in float32: everything ``mm``/``addmm``/
 #: ``bmm``/``baddbmm``/``matmul``/``linear``/``einsum`` and convolutions decompose into below autograd.
-GEMM_OPS: frozenset[Any] = frozenset(getattr(torch.ops.aten, n).default for n in (
-    "mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "addr", "_addmm_activation",
-    "convolution", "convolution_backward",
-))
+GEMM_OPS: frozenset[Any] = frozenset(getattr(torch.ops.aten, n).default for n in ops_with(Kind.GEMM))
 #: low-precision dtypes whose GEMMs ``cuda_gemm`` widens.
 GEMM_DTYPES: frozenset[torch.dtype] = frozenset(SUPPORTED_DTYPES)
 #: ``AMPDOCTOR_GEMM`` values: ``cuda`` (fp32 accumulation, default) or ``native`` (torch's kernels).

@@ -1,10 +1,16 @@
 """Op-level numerics observation: every aten op in forward, backward and the optimizer step.
 
->>> with ampdoctor.trace(model, optimizer) as t:                  # doctest: +SKIP
-...     loss = model(x).sum(); loss.backward(); optimizer.step()
+>>> import torch
+>>> from torch import nn
+>>> from ampdoctor.trace import trace
+>>> model = nn.Linear(4, 2).half()
+>>> with torch.no_grad():
+...     _ = model.weight.fill_(60.0)
+>>> with trace(model, full=True) as t:            # also trace(model, optimizer): backward and the step
+...     y = model(torch.full((1, 4), 300.0, dtype=torch.float16))    # 4 * 300 * 60 = 72000 > 65504
 >>> result = t.result()          # one host sync: statistics are read back here
->>> result.first_nonfinite       # doctest: +SKIP
-OpRecord(#41 aten.mm.default module='encoder.block.0.layer.1.DenseReluDense.wo' forward float16 (16, 16))
+>>> result.first_nonfinite
+OpRecord(#4 aten.addmm.default module='' forward torch.float16 (1, 2))
 
 ``full=False`` (the default of :func:`trace`) is the cheap tier: one ``aminmax`` per floating output, no
 lineage. ``full=True`` keeps full statistics (abs max, smallest nonzero, inf/NaN/zero/subnormal counts) and
@@ -27,6 +33,7 @@ from torch import nn
 from ampdoctor.trace._dtypes import (
     DTYPES,
     FP8_DTYPES,
+    HALF_DTYPES,
     HEADROOM_FORMATS,
     DTypeInfo,
     dtype_info,
@@ -37,17 +44,23 @@ from ampdoctor.trace._lineage import Lineage, analyse_lineage, has_nan, is_nonfi
 from ampdoctor.trace._mode import OpRecord, RecordingMode, _key
 from ampdoctor.trace._modules import ModuleAttribution, iter_tensors
 from ampdoctor.trace._ops import (
+    DUNDERS,
     OPS,
     Bound,
+    Family,
     Kind,
     Literal,
     OpInfo,
     Reduces,
     Role,
+    Upcast,
+    family_ops,
     literal_values,
     op_base,
     op_info,
     ops_with,
+    ops_with_literal,
+    torch_names,
 )
 from ampdoctor.trace._stats import CHEAP_FIELDS, FULL_FIELDS, dtype_limits
 
@@ -63,21 +76,28 @@ __all__ = [
     "DTYPES",
     "DTypeInfo",
     "FP8_DTYPES",
+    "HALF_DTYPES",
     "HEADROOM_FORMATS",
     "dtype_info",
     "dtype_name",
     "unit_roundoff",
     "OPS",
+    "DUNDERS",
     "Bound",
+    "Family",
     "Kind",
     "Literal",
     "OpInfo",
     "Reduces",
     "Role",
+    "Upcast",
+    "family_ops",
     "literal_values",
     "op_base",
     "op_info",
     "ops_with",
+    "ops_with_literal",
+    "torch_names",
     "iter_tensors",
     "ModuleAttribution",
     "is_nonfinite",

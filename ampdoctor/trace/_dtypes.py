@@ -2,12 +2,14 @@
 
 Every layer reads dtype facts here (``ampdoctor.trace.dtype_info``); nothing re-declares them.
 
->>> from ampdoctor.trace import dtype_info
+>>> from ampdoctor.trace import HALF_DTYPES, dtype_info
 >>> fp16 = dtype_info("fp16")
 >>> fp16.name, fp16.max, fp16.smallest_subnormal == 2.0 ** -24, fp16.unit_roundoff == 2.0 ** -11
 ('float16', 65504.0, True, True)
 >>> dtype_info("torch.bfloat16").low_precision, dtype_info("float32").low_precision
 (True, False)
+>>> HALF_DTYPES
+(torch.float16, torch.bfloat16)
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DTYPES", "DTypeInfo", "FP8_DTYPES", "HEADROOM_FORMATS", "dtype_info", "dtype_limits", "dtype_name",
-           "unit_roundoff"]
+__all__ = ["DTYPES", "DTypeInfo", "FP8_DTYPES", "HALF_DTYPES", "HEADROOM_FORMATS", "dtype_info", "dtype_limits",
+           "dtype_name", "unit_roundoff"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ DTYPES: dict[str, DTypeInfo] = {f[0]: _info(*f) for f in _FORMATS if hasattr(tor
 _BY_NAME: dict[str, DTypeInfo] = {n: i for i in DTYPES.values() for n in (i.name, i.short, *i.aliases)}
 #: the fp8 torch dtypes of this build
 FP8_DTYPES: tuple[torch.dtype, ...] = tuple(i.dtype for i in DTYPES.values() if i.fp8)
+#: the 16-bit formats (fp16, bf16): what autocast and ``model.half()`` / ``.bfloat16()`` run in
+HALF_DTYPES: tuple[torch.dtype, ...] = tuple(i.dtype for i in DTYPES.values() if i.low_precision and i.bits == 16)
 #: the formats the trace counts flushes for (``flush_<short>`` statistics), in this order: (short, max, threshold)
 HEADROOM_FORMATS: tuple[tuple[str, float, float], ...] = tuple(
     (i.short, i.max, i.flush_threshold) for n in ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")

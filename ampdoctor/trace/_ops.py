@@ -26,8 +26,8 @@ import enum
 from dataclasses import dataclass, field
 from functools import cache
 
-__all__ = ["Bound", "Kind", "Literal", "OpInfo", "Reduces", "Role", "declare", "literal_values", "op_base", "op_info",
-           "ops_with", "OPS"]
+__all__ = ["Bound", "DUNDERS", "Family", "Kind", "Literal", "OpInfo", "Reduces", "Role", "Upcast", "declare",
+           "family_ops", "literal_values", "op_base", "op_info", "ops_with", "ops_with_literal", "torch_names", "OPS"]
 
 
 class Kind(enum.Enum):
@@ -47,6 +47,8 @@ class Kind(enum.Enum):
     PERIODIC = "periodic"            # sin / cos: an angle's absolute error becomes the result's error
     UNINITIALISED = "uninitialised"  # allocates memory without writing it (its statistics describe garbage)
     POLE = "pole"                    # infinite where an input is 0: log(0) = -inf, 1/0, rsqrt(0), x / 0
+    LOG = "log"                      # a logarithm (log, log2, log10): of a softmax it is a log-softmax
+    GEMM = "gemm"                    # a GEMM kernel below autograd (mm, addmm, convolution): accumulates K products
 
 
 class Reduces(enum.Enum):
@@ -79,6 +81,24 @@ class Role(enum.Enum):
     FACTOR = "factor"      # a Scalar multiplier or divisor (``x * 0.5``, ``x / 8.0``)
 
 
+class Family(enum.Enum):
+    """The op families the ``upcast_op`` fix runs in float32 by name (``fixes.upcast_op(ops=["norm"])``)."""
+
+    SOFTMAX = "softmax"
+    NORM = "norm"          # a norm's statistic (pow, var, ...) and the norm ops themselves
+    LOSS = "loss"
+    EXP = "exp"
+    TANH = "tanh"
+    SIGMOID = "sigmoid"
+
+
+class Upcast(enum.Enum):
+    """What an op run in float32 by ``upcast_op`` hands back outside autocast."""
+
+    INPUT = "input"        # the inputs' low dtype: the result is bounded and fits
+    FP32 = "fp32"          # float32: the result may not fit the low dtype
+
+
 @dataclass(frozen=True)
 class Literal:
     """A literal argument of an op: its schema name, its position in the aten call, its :class:`Role`."""
@@ -97,6 +117,8 @@ class OpInfo:
     reduces: Reduces | None = None
     bound: Bound | None = None
     literals: tuple[Literal, ...] = ()
+    family: Family | None = None
+    upcast: Upcast | None = None
 
 
 #: every declared op by aten base name
@@ -104,7 +126,7 @@ OPS: dict[str, OpInfo] = {}
 
 
 def declare(name: str, *kinds: Kind, reduces: Reduces | None = None, bound: Bound | None = None,
-            literals: tuple[Literal, ...] = ()) -> OpInfo:
+            literals: tuple[Literal, ...] = (), family: Family | None = None, upcast: Upcast | None = None) -> OpInfo:
     """Declare op ``name``; a second declaration of the same name raises ``ValueError``."""
     if name in OPS:
         raise ValueError(f"op {name!r} is already declared ({OPS[name]}); declare each op once, with all its kinds")
@@ -112,9 +134,13 @@ def declare(name: str, *kinds: Kind, reduces: Reduces | None = None, bound: Boun
         raise ValueError(f"op {name!r}: a bounded op needs bound=..., and only a bounded op has one")
     if len({lit.position for lit in literals}) != len(literals):
         raise ValueError(f"op {name!r}: two literals at one position in {literals}")
-    info = OpInfo(name, frozenset(kinds), reduces, bound, tuple(literals))
+    if (family is None) != (upcast is None):
+        raise ValueError(f"op {name!r}: an op of an upcast family needs upcast=..., and only such an op has one")
+    info = OpInfo(name, frozenset(kinds), reduces, bound, tuple(literals), family, upcast)
     OPS[name] = info
     ops_with.cache_clear()
+    family_ops.cache_clear()
+    ops_with_literal.cache_clear()
     return info
 
 
@@ -157,12 +183,40 @@ def literal_values(name: str, args: tuple, kwargs: dict,
     return tuple(out)
 
 
+#: torch-level dunders and the aten base name they dispatch to (in-place dunders to the in-place op)
+DUNDERS: dict[str, str] = {
+    "__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": "sub", "__rsub__": "rsub", "__isub__": "sub_",
+    "__mul__": "mul", "__rmul__": "mul", "__imul__": "mul_", "__truediv__": "div", "__rtruediv__": "div",
+    "__itruediv__": "div_", "__pow__": "pow", "__rpow__": "pow", "__matmul__": "matmul", "__rmatmul__": "matmul",
+}
+
+
+def torch_names(names: frozenset[str] | set[str]) -> frozenset[str]:
+    """``names`` plus the dunders that dispatch to one of them: the ``__name__`` s a torch-level callable of those
+    ops may carry (``{"add"}`` -> ``{"add", "__add__", "__radd__"}``)."""
+    return frozenset(names) | frozenset(d for d, base in DUNDERS.items() if base in names)
+
+
+@cache
+def family_ops(family: Family) -> dict[str, str]:
+    """Base name -> :class:`Upcast` value of every op declared in ``family``, in declaration order."""
+    return {n: i.upcast.value for n, i in OPS.items() if i.family is family and i.upcast is not None}
+
+
+@cache
+def ops_with_literal(role: Role) -> frozenset[str]:
+    """The base names of every op with a literal argument of ``role``."""
+    return frozenset(n for n, i in OPS.items() if any(lit.role is role for lit in i.literals))
+
+
 def _lits(*spec: tuple[str, int, Role]) -> tuple[Literal, ...]:
     return tuple(Literal(n, p, r) for n, p, r in spec)
 
 
 K = Kind
 R = Role
+F = Family
+IN, FP32 = Upcast.INPUT, Upcast.FP32
 # ------------------------------------------------------------------------------------ memory views and copies
 for _n in ("view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "permute", "detach", "alias",
            "unsqueeze", "squeeze", "flatten", "unflatten", "view_as", "lift_fresh"):
@@ -180,32 +234,52 @@ for _n in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strid
     declare(_n, K.UNINITIALISED)
 
 # ------------------------------------------------------------------------------------ bounded functions, rows
-declare("tanh", K.BOUNDED, bound=Bound("abs1", "tanh_backward", "±1"))
-declare("sigmoid", K.BOUNDED, bound=Bound("01", "sigmoid_backward", "0 or 1"))
+declare("tanh", K.BOUNDED, bound=Bound("abs1", "tanh_backward", "±1"), family=F.TANH, upcast=IN)
+declare("sigmoid", K.BOUNDED, bound=Bound("01", "sigmoid_backward", "0 or 1"), family=F.SIGMOID, upcast=IN)
 _SOFTMAX_BOUND = Bound("1", "_softmax_backward_data", "1")
-declare("_softmax", K.BOUNDED, K.SOFTMAX, reduces=Reduces.ROW, bound=_SOFTMAX_BOUND)
-declare("softmax", K.BOUNDED, K.SOFTMAX, reduces=Reduces.ROW, bound=_SOFTMAX_BOUND)
-for _n in ("_log_softmax", "log_softmax", "_safe_softmax"):
-    declare(_n, K.SOFTMAX, reduces=Reduces.ROW)
+declare("softmax", K.BOUNDED, K.SOFTMAX, reduces=Reduces.ROW, bound=_SOFTMAX_BOUND, family=F.SOFTMAX, upcast=IN)
+for _n in ("log_softmax", "_log_softmax"):
+    declare(_n, K.SOFTMAX, reduces=Reduces.ROW, family=F.SOFTMAX, upcast=IN)
+declare("_softmax", K.BOUNDED, K.SOFTMAX, reduces=Reduces.ROW, bound=_SOFTMAX_BOUND, family=F.SOFTMAX, upcast=IN)
+declare("_safe_softmax", K.SOFTMAX, reduces=Reduces.ROW)
 for _n in ("cumsum", "logsumexp"):
     declare(_n, reduces=Reduces.ROW)
 
 # ------------------------------------------------------------------------------------ matmuls and convolutions
-for _n in ("mm", "bmm", "matmul", "linear", "_scaled_mm"):
+for _n in ("matmul", "linear", "_scaled_mm"):
     declare(_n, reduces=Reduces.INNER_0)
+for _n in ("mm", "bmm"):
+    declare(_n, K.GEMM, reduces=Reduces.INNER_0)
 for _n in ("addmm", "baddbmm", "addbmm", "addmv"):
-    declare(_n, reduces=Reduces.INNER_1)
-for _n in ("convolution", "_convolution", "conv2d", "conv1d"):
+    declare(_n, K.GEMM, reduces=Reduces.INNER_1)
+for _n in ("mv", "dot", "vdot", "addr", "_addmm_activation", "convolution_backward"):
+    declare(_n, K.GEMM)
+declare("convolution", K.GEMM, reduces=Reduces.KERNEL)
+for _n in ("_convolution", "conv2d", "conv1d"):
     declare(_n, reduces=Reduces.KERNEL)
 
 # ------------------------------------------------------------------------------------ reductions and arithmetic
-declare("sum", K.CANCELLING, K.NORM_STATISTIC, reduces=Reduces.RATIO)
-declare("mean", K.CANCELLING, K.NORM_STATISTIC, reduces=Reduces.RATIO)
-declare("var", K.CANCELLING, K.NORM_STATISTIC, reduces=Reduces.RATIO)
-declare("var_mean", K.NORM_STATISTIC, reduces=Reduces.RATIO)
-declare("linalg_vector_norm", K.NORM_STATISTIC, reduces=Reduces.RATIO)
-declare("norm", K.NORM_STATISTIC, reduces=Reduces.RATIO)
-for _n in ("std", "prod", "amax"):
+# (family/upcast: what ``upcast_op`` runs in float32 by name; a norm statistic or a loss may not fit the low dtype)
+for _n in ("pow", "square"):
+    declare(_n, K.NORM_STATISTIC, family=F.NORM, upcast=FP32)
+declare("var", K.CANCELLING, K.NORM_STATISTIC, reduces=Reduces.RATIO, family=F.NORM, upcast=FP32)
+declare("var_mean", K.NORM_STATISTIC, reduces=Reduces.RATIO, family=F.NORM, upcast=FP32)
+for _n in ("std", "std_mean"):
+    declare(_n, reduces=Reduces.RATIO, family=F.NORM, upcast=FP32)
+declare("norm", K.NORM_STATISTIC, reduces=Reduces.RATIO, family=F.NORM, upcast=FP32)
+declare("linalg_vector_norm", K.NORM_STATISTIC, reduces=Reduces.RATIO, family=F.NORM, upcast=FP32)
+declare("layer_norm", literals=_lits(("eps", 4, R.EPS)), family=F.NORM, upcast=IN)
+declare("group_norm", literals=_lits(("eps", 4, R.EPS)), family=F.NORM, upcast=IN)
+declare("rms_norm", literals=_lits(("eps", 3, R.EPS)), family=F.NORM, upcast=IN)
+# losses: torch-level names (``F.cross_entropy.__name__``), which is what upcast_op matches
+for _n in ("cross_entropy", "mse_loss", "nll_loss", "binary_cross_entropy_with_logits", "l1_loss", "smooth_l1_loss",
+           "huber_loss", "kl_div"):
+    declare(_n, family=F.LOSS, upcast=FP32)
+declare("sum", K.CANCELLING, K.NORM_STATISTIC, reduces=Reduces.RATIO, family=F.LOSS, upcast=FP32)
+declare("mean", K.CANCELLING, K.NORM_STATISTIC, reduces=Reduces.RATIO, family=F.LOSS, upcast=FP32)
+for _n in ("exp", "expm1", "exp2"):
+    declare(_n, family=F.EXP, upcast=FP32)
+for _n in ("prod", "amax"):
     declare(_n, reduces=Reduces.RATIO)
 _ADDEND = _lits(("other", 1, R.ADDEND))
 _FACTOR = _lits(("other", 1, R.FACTOR))
@@ -214,13 +288,11 @@ for _n in ("sub", "add", "rsub"):
 for _n in ("addcmul", "addcdiv", "lerp"):
     declare(_n, K.CANCELLING)
 declare("mul", K.NORM_STATISTIC, literals=_FACTOR)
-for _n in ("pow", "square"):
-    declare(_n, K.NORM_STATISTIC)
 declare("sqrt", K.NORM_SCALE)
 for _n in ("rsqrt", "reciprocal"):
     declare(_n, K.NORM_SCALE, K.POLE)
 for _n in ("log", "log2", "log10"):
-    declare(_n, K.POLE)
+    declare(_n, K.POLE, K.LOG)
 for _n in ("div", "true_divide"):
     declare(_n, K.POLE, literals=_FACTOR)
 for _n in ("sin", "cos"):
@@ -235,8 +307,9 @@ for _n in ("mul_", "div_"):
     declare(_n, literals=_FACTOR)
 for _n in ("masked_fill", "masked_fill_"):
     declare(_n, literals=_lits(("value", 2, R.FILL)))
-for _n in ("fill", "fill_", "full_like"):
-    declare(_n, literals=_lits(("value" if _n != "full_like" else "fill_value", 1, R.FILL)))
+for _n in ("fill", "fill_"):
+    declare(_n, literals=_lits(("value", 1, R.FILL)))
+declare("full_like", literals=_lits(("fill_value", 1, R.FILL)))
 declare("full", literals=_lits(("fill_value", 1, R.FILL)))
 declare("new_full", literals=_lits(("fill_value", 2, R.FILL)))
 for _n in ("index_fill", "index_fill_"):
@@ -249,12 +322,9 @@ for _n in ("clamp_min", "clamp_min_"):
 for _n in ("clamp_max", "clamp_max_"):
     declare(_n, literals=_lits(("max", 1, R.BOUND)))
 declare("native_layer_norm", reduces=Reduces.ROW, literals=_lits(("eps", 4, R.EPS)))
-declare("layer_norm", literals=_lits(("eps", 4, R.EPS)))
 declare("native_group_norm", reduces=Reduces.ROW, literals=_lits(("eps", 7, R.EPS)))
-declare("group_norm", literals=_lits(("eps", 4, R.EPS)))
-for _n in ("rms_norm", "_fused_rms_norm"):
-    declare(_n, literals=_lits(("eps", 3, R.EPS)))
+declare("_fused_rms_norm", literals=_lits(("eps", 3, R.EPS)))
 for _n in ("native_batch_norm", "_native_batch_norm_legit", "batch_norm"):
     declare(_n, literals=_lits(("eps", 7, R.EPS)))
 declare("_native_batch_norm_legit_no_training", literals=_lits(("eps", 6, R.EPS)))
-del _n, K, R
+del _n, K, R, F, IN, FP32

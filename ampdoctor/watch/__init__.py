@@ -8,6 +8,25 @@
 ['loss-scale-collapse']
 >>> ampdoctor.replay("repro/step000003-loss-scale-collapse.pt", model_factory=build_model)  # doctest: +SKIP
 
+A runnable one: the batch of step 2 holds a NaN; the guard's replay names the cause (``nonfinite-input``):
+
+>>> import torch, ampdoctor
+>>> from torch import nn
+>>> gen = torch.Generator().manual_seed(0)
+>>> model = nn.Linear(4, 1)
+>>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+>>> with ampdoctor.watch(model, opt) as w:      # warnings go to logging
+...     for step in range(3):
+...         opt.zero_grad()
+...         x = torch.randn(2, 4, generator=gen)
+...         x[0, 0] = float("nan") if step == 2 else x[0, 0]
+...         loss = model(x).pow(2).mean()
+...         loss.backward()
+...         opt.step()
+...         w.step(loss)
+>>> w.report().codes()
+['nonfinite-input']
+
 ``ampdoctor.watch`` is the function :func:`watch` (re-exported with ``replay`` and ``load_reproducer`` at the
 package root); this module, ``ampdoctor.watch`` as an import path, holds the rest. The guard learns about each
 step through optimizer step hooks, GradScaler's own state and backward hooks on the first steps; it reads the

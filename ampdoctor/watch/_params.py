@@ -7,7 +7,9 @@ from typing import Any
 import torch
 from torch import nn
 
-_LOW_DTYPES = (torch.float16, torch.bfloat16)
+from ampdoctor.trace import HALF_DTYPES
+
+_LOW_DTYPES = HALF_DTYPES
 #: path components wrappers insert into ``named_parameters()`` (FSDP1, activation checkpointing, torch.compile):
 #: reports use the names of the user's own model
 _WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")

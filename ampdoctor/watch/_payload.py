@@ -14,10 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampdoctor.trace import HALF_DTYPES
 from ampdoctor.watch import _reproducer
 from ampdoctor.watch._scaler import GradScalerView
 
-_LOW_DTYPES = (torch.float16, torch.bfloat16)
+_LOW_DTYPES = HALF_DTYPES
 
 
 @dataclass(frozen=True)

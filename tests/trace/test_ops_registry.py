@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import ast
+import pathlib
+
 import pytest
 import torch
 from torch import nn
 
-from ampdoctor.trace import OPS, Kind, Literal, Role, literal_values, op_info, ops_with, trace
+from ampdoctor.trace import (
+    OPS,
+    Family,
+    Kind,
+    Literal,
+    Role,
+    family_ops,
+    literal_values,
+    op_info,
+    ops_with,
+    ops_with_literal,
+    torch_names,
+    trace,
+)
 from ampdoctor.trace._ops import declare
 
 
@@ -80,3 +96,75 @@ def test_the_trace_records_each_ops_literals() -> None:
 def test_kinds_are_unchanged_by_literal_only_declarations() -> None:
     """In-place arithmetic is declared for its literal only: it joins no kind's set."""
     assert "add_" in OPS and "add_" not in ops_with(Kind.CANCELLING) and "add" in ops_with(Kind.CANCELLING)
+
+
+# ------------------------------------------------------------------------------------ one registry: a source scan
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "ampdoctor"
+#: the modules that declare op and dtype knowledge
+REGISTRIES = {"trace/_ops.py", "trace/_dtypes.py"}
+#: ``module: why`` for the loose tables that remain (only shrinks)
+SCAN_ALLOWED: dict[str, str] = {
+    "precision/emulation.py": "CUDA autocast composite policies (COMPOSITE_POLICY, APPROXIMATE_COMPOSITES): autocast "
+                              "data kept beside precision/_cuda_policy.py, which is checked against the dispatcher",
+    "findings/_training_rules.py": "updates (issue 13): the clip-norm and scale-division op tuples of its rules",
+}
+_FLOAT_DTYPES = {n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)
+                 and getattr(torch, n).is_floating_point}
+
+
+def _is_dtype(n: ast.AST) -> bool:
+    return isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "torch" \
+        and n.attr in _FLOAT_DTYPES
+
+
+def _is_aten(n: ast.AST) -> bool:
+    return isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.isidentifier() \
+        and hasattr(torch.ops.aten, n.value)
+
+
+def loose_tables(source: str) -> list[str]:
+    """Set/tuple/list/dict displays of two or more torch float dtypes, or of three or more aten op names (at
+    least half of the display's elements): the tables the registries replace."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Dict):
+            keys, values = [k for k in node.keys if k is not None], node.values
+        elif isinstance(node, (ast.Set, ast.Tuple, ast.List)):
+            keys, values = node.elts, []
+        else:
+            continue
+        n_aten = sum(map(_is_aten, keys))
+        if sum(map(_is_dtype, keys)) >= 2 or sum(map(_is_dtype, values)) >= 2:
+            out.append(f"line {node.lineno}: a table of torch dtypes")
+        elif n_aten >= 3 and 2 * n_aten >= len(keys):
+            out.append(f"line {node.lineno}: a table of aten op names")
+    return out
+
+
+def test_no_module_outside_the_registries_declares_op_or_dtype_tables() -> None:
+    found = {}
+    for p in sorted(ROOT.rglob("*.py")):
+        rel = str(p.relative_to(ROOT))
+        if rel in REGISTRIES or rel in SCAN_ALLOWED or rel.startswith("scenarios/"):
+            continue
+        if hits := loose_tables(p.read_text()):
+            found[rel] = hits
+    assert not found, ("declare these in ampdoctor/trace/_ops.py (op kinds, families, literals) or read "
+                       f"ampdoctor/trace/_dtypes.py (DTYPES, HALF_DTYPES, dtype_info): {found}")
+
+
+def test_the_scan_sees_loose_tables() -> None:
+    """The check can fail: a dtype tuple, a dtype-valued dict and an op-name set are each reported."""
+    assert loose_tables("LOW = (torch.float16, torch.bfloat16)")
+    assert loose_tables('M = {"fp16": torch.float16, "bf16": torch.bfloat16}')
+    assert loose_tables('OPS = {"mm", "addmm", "bmm"}')
+    assert not loose_tables('WORDS = ("the", "mm", "model", "x")') and not loose_tables("D = (torch.float16,)")
+    assert all(rel in {str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")} for rel in SCAN_ALLOWED)
+
+
+def test_families_and_upcast_are_declared_together() -> None:
+    with pytest.raises(ValueError, match="upcast"):
+        declare("__not_an_op__", family=Family.NORM)
+    assert family_ops(Family.TANH) == {"tanh": "input"} and family_ops(Family.NORM)["pow"] == "fp32"
+    assert torch_names({"add"}) == {"add", "__add__", "__radd__"}
+    assert ops_with_literal(Role.FILL) >= {"masked_fill", "fill_", "full"}
