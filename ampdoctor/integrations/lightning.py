@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,7 +34,7 @@ else:
 
 from ampdoctor.findings import Report
 from ampdoctor.integrations._callback import callback_watch_options
-from ampdoctor.watch import Watch, watch
+from ampdoctor.watch import Watch, training_step_replay, watch
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +64,7 @@ class AmpDoctorCallback(Callback):
         self.watch = watch(pl_module, optimizers[0] if optimizers else None,
                            scaler if isinstance(scaler, torch.amp.GradScaler) else None, **self.watch_options)
         self.watch.__enter__()
-        self.watch.replay_with(self._replay_step)
+        self.watch.replay_with(self._replay_step, method="training_step")   # also in its reproducers
         asked = _requested_precision(trainer)
         if asked is not None:           # steps that do not run the Trainer's precision: precision_note
             self.watch.expect_precision(*asked)
@@ -77,31 +76,9 @@ class AmpDoctorCallback(Callback):
 
     def _replay_step(self, model: Any, batch: Any, optimizer: Any = None, scaler: Any = None) -> Any:
         """The replay's step: the module's own ``training_step`` on the replay's copy (a LightningModule has
-        often no ``forward`` for the batch), then backward and update as Lightning's automatic optimization does.
-        The copy has no trainer (Lightning drops it when copying): ``self.log`` inside is a no-op there. Manual
-        optimization: ``self.optimizers()`` and ``self.manual_backward`` of the copy are bound to the replay's
-        optimizer and a plain backward (instance attributes of the copy only), and the step is left to the module."""
-        manual = not getattr(model, "automatic_optimization", True)
-        if manual:
-            model.optimizers = lambda *a, **k: optimizer
-            model.manual_backward = lambda loss, *a, **k: loss.backward(*a, **k)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")         # "self.log() without a Trainer" on the copy
-            out = model.training_step(batch, self._batch_idx)
-        loss = out.get("loss") if isinstance(out, Mapping) else out
-        if manual or not isinstance(loss, torch.Tensor):
-            return loss if isinstance(loss, torch.Tensor) else None
-        if optimizer is not None:
-            optimizer.zero_grad()
-        if loss.requires_grad:
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-            if optimizer is not None:
-                if scaler is not None:
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    optimizer.step()
-        return loss
+        often no ``forward`` for the batch), then backward and update as Lightning's automatic optimization does
+        (:func:`ampdoctor.watch.training_step_replay`)."""
+        return training_step_replay(model, batch, optimizer, scaler, self._batch_idx)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.watch is None:

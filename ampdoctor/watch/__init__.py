@@ -36,6 +36,7 @@ device back once per optimizer step. Reproducers are plain tensor dicts (``torch
 
 from ampdoctor.errors import AnomalyError, ReproducerError
 from ampdoctor.watch._guard import KINDS, ON_ANOMALY, Watch, WatchOptions, check_watch_options, watch
+from ampdoctor.watch._method_step import training_step_replay
 from ampdoctor.watch._reproducer import is_replaying, load_reproducer, replay
 
 __all__ = [
@@ -49,5 +50,6 @@ __all__ = [
     "is_replaying",
     "load_reproducer",
     "replay",
+    "training_step_replay",
     "watch",
 ]

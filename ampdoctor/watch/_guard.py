@@ -22,6 +22,7 @@ from torch import nn
 
 from ampdoctor.findings import Report
 from ampdoctor.watch._hooks import Health
+from ampdoctor.watch._method_step import STEP_METHODS
 from ampdoctor.watch._options import KINDS, ON_ANOMALY, AnomalyError, OnAnomaly, WatchOptions
 from ampdoctor.watch._params import unwrap_optimizer
 from ampdoctor.watch._payload import build_payload, copy_without_hooks
@@ -145,14 +146,17 @@ class Watch:
         if self._health.working:
             self._tracker.note_call(tuple(args), dict(kwargs), rng)
 
-    def replay_with(self, train_step: Any) -> None:
+    def replay_with(self, train_step: Any, *, method: str = "") -> None:
         """Replay an anomalous step with ``train_step(model, batch, optimizer=..., scaler=...)`` (as
         :func:`ampdoctor.diagnose` calls it: forward, backward and update on the replay's copies) instead of calling
         the root module with the recorded inputs; for frameworks whose step is not the root's forward (Lightning's
-        ``training_step``, a Trainer's ``compute_loss``)."""
+        ``training_step``, a Trainer's ``compute_loss``). ``method="training_step"``: the step is that method of the
+        model, recorded in reproducers so that :func:`ampdoctor.replay` of the file runs it too."""
         if train_step is not None and not callable(train_step):
             raise TypeError(f"train_step must be callable as train_step(model, batch), got {train_step!r}")
-        self._policy.train_step = train_step
+        if method and method not in STEP_METHODS:
+            raise ValueError(f"method must be one of {', '.join(map(repr, STEP_METHODS))} or '', got {method!r}")
+        self._policy.train_step, self._policy.step_method = train_step, method
 
     def expect_precision(self, requested: str, by: str) -> None:
         """What the user asked ``by`` (a framework: ``"Trainer(fp16=True)"``) to run, ``"fp16"`` or ``"bf16"``;
@@ -217,7 +221,8 @@ class Watch:
         t, d = self._tracker, a.detection
         return build_payload(step=d.record.step, kind=d.kind, message=d.message, model=self.model,
                              optimizer=self.optimizer, scaler=t.scaler, scale=d.record.scale, inputs=a.inputs,
-                             precision=precision_of(t), source=self.options.source, device_type=t.device_type)
+                             precision=precision_of(t), source=self.options.source, device_type=t.device_type,
+                             step_method=self._policy.step_method)
 
     def _copy_model(self) -> nn.Module:
         return copy_without_hooks(self.model, self, self._tracker.module_handles)

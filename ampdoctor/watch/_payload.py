@@ -72,7 +72,7 @@ def hf_config(model: nn.Module) -> dict[str, Any] | None:
 
 def build_payload(*, step: int, kind: str, message: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                   scaler: GradScalerView | None, scale: float | None, inputs: StepInputs,
-                  precision: dict[str, Any], source: str, device_type: str) -> dict[str, Any]:
+                  precision: dict[str, Any], source: str, device_type: str, step_method: str = "") -> dict[str, Any]:
     dropped: list[str] = []
     if inputs.has_batch:
         batch = inputs.batch
@@ -107,6 +107,7 @@ def build_payload(*, step: int, kind: str, message: str, model: nn.Module, optim
         "rng": inputs.rng or rng_state(device_type),
         "precision": precision,
         "source": source,
+        "step_method": step_method,
         "model_class": f"{type(local).__module__}.{type(local).__qualname__}",
         "hf_config": hf_config(model),
         "torch_version": str(torch.__version__),

@@ -64,6 +64,8 @@ class AnomalyPolicy:
         #: how the in-process replay runs the step (``train_step(model, batch, optimizer=, scaler=)`` of
         #: :func:`ampdoctor.diagnose`); None: the root module is called with the recorded inputs
         self.train_step: Callable[..., Any] | None = None
+        #: the model method that is the step (``training_step``), recorded in reproducers; "" for the root's forward
+        self.step_method = ""
         #: data-parallel ranks agree on raise/skip (:mod:`ampdoctor.watch._ranks`); None: decide locally
         self.ranks: RankAgreement | None = None
         #: the precision a framework was asked for, and by what (``Watch.expect_precision``)

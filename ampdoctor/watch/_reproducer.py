@@ -55,6 +55,7 @@ from torch import nn
 
 from ampdoctor.errors import ReproducerError
 from ampdoctor.findings import Report
+from ampdoctor.watch._method_step import STEP_METHODS, training_step_replay
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +190,9 @@ def _check_fields(obj: dict[str, Any], path: str) -> None:
     if cpu is not None and (not isinstance(cpu, torch.Tensor) or cpu.dtype != torch.uint8
                             or cpu.numel() != torch.get_rng_state().numel()):
         raise bad("rng", "a dict whose 'cpu' entry is a torch.get_rng_state() tensor")
+    method = obj.get("step_method") or ""
+    if method not in ("", *STEP_METHODS):
+        raise bad("step_method", f"'' or one of {', '.join(map(repr, STEP_METHODS))}")
     state = obj.get("optimizer_state")
     if state is not None and not (isinstance(state.get("state"), dict) and isinstance(state.get("param_groups"), list)):
         raise bad("optimizer_state", "an optimizer state_dict with 'state' and 'param_groups'")
@@ -359,6 +363,8 @@ def _replay(payload: dict[str, Any], model_factory: Callable[[], nn.Module] | No
     precision = (payload.get("precision") or {}).get("name")
     loss_fn = loss_fn if loss_fn is not None else scenario.get("loss_fn")
     train_step = train_step if train_step is not None else scenario.get("train_step")
+    if train_step is None and payload.get("step_method") == "training_step":
+        train_step = training_step_replay      # the model's own training_step (never a name from the file)
     from ampdoctor.diagnose import diagnose
 
     _set_step_rng(payload.get("rng"))

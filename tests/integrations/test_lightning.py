@@ -166,3 +166,35 @@ def test_lightning_replay_of_training_step_names_module_and_op(manual: bool) -> 
     assert (first.code, first.module, first.op, first.phase) == ("overflow", "blow", "aten.addmm.default", "forward")
     twin = run(1.0).report
     assert "replay" not in twin.summary and not any(f.code == "overflow" for f in twin.findings)
+
+
+def make_only_training_step() -> OnlyTrainingStep:
+    """``--factory`` for the replay below: the architecture (its weights come from the reproducer)."""
+    return OnlyTrainingStep(1.0)
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_ampdoctor_replay_of_a_training_step_reproducer(tmp_path, manual: bool) -> None:
+    """``ampdoctor replay FILE.pt --factory ...`` of a LightningModule with no forward: the file says the step is
+    ``training_step``, so the replay runs that method (and names blow's addmm) without any train_step code."""
+    import json
+
+    from click.testing import CliRunner
+
+    from ampdoctor.cli import main
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 8, generator=torch.Generator().manual_seed(1)) * 50)
+    cb = AmpDoctorCallback(reproducer_dir=str(tmp_path / "repro"))
+    L.Trainer(max_steps=1, accelerator="cpu", precision="16-true", logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, callbacks=[cb]).fit(
+        OnlyTrainingStep(3e4, manual), torch.utils.data.DataLoader(data, batch_size=4))
+    files = sorted((tmp_path / "repro").iterdir())
+    assert files, "no reproducer written"
+    assert torch.load(files[0], weights_only=True)["step_method"] == "training_step"
+    factory = "tests.integrations.test_lightning:make_only_training_step"
+    res = CliRunner().invoke(main, ["replay", str(files[0]), "--factory", factory, "--json", str(tmp_path / "r.json")])
+    assert res.exit_code == 1, res.output                    # an error finding
+    first = json.loads((tmp_path / "r.json").read_text())["findings"][0]
+    assert (first["code"], first["module"], first["op"], first["phase"]) == ("overflow", "blow", "aten.addmm.default",
+                                                                           "forward")

@@ -89,6 +89,7 @@ def test_malicious_pickles_are_blocked(tmp_path, how) -> None:
     ("optimizer_state", {"state": 3}, "field 'optimizer_state' must be"),
     ("scaler_state", "x", "field 'scaler_state' must be"),
     ("step", "3", "field 'step' must be an int"),
+    ("step_method", "__init__", "field 'step_method' must be"),
     ("version", "1", "not an integer"),
 ])
 def test_crafted_fields_are_clear_errors(tmp_path, genuine, field, value, message) -> None:

@@ -1,0 +1,53 @@
+"""Replaying a step that lives in the model's ``training_step(batch, batch_idx)`` method (Lightning's protocol).
+
+A ``LightningModule`` often has no ``forward`` for its batch: the step is ``training_step``. A watch told so
+(``Watch.replay_with(..., method="training_step")``) records ``step_method`` in its reproducers, and
+:func:`ampdoctor.replay` of such a file runs :func:`training_step_replay` on the rebuilt model, so
+``ampdoctor replay FILE.pt --factory mypkg:make_module`` needs no ``train_step`` code either. Only the method
+named in the file is ever called, and only from :data:`STEP_METHODS` (a reproducer is data).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+#: the step methods a reproducer may name
+STEP_METHODS = ("training_step",)
+
+
+def training_step_replay(model: Any, batch: Any, optimizer: Any = None, scaler: Any = None,
+                         batch_idx: int = 0) -> Any:
+    """The step as Lightning runs it, on the replay's copy: ``training_step``, then (automatic optimization)
+    backward and update with the replay's optimizer/GradScaler. The copy has no trainer: ``self.log`` is a no-op
+    there. Manual optimization: ``self.optimizers()`` and ``self.manual_backward`` of the copy are bound to the
+    replay's optimizer and a plain backward (instance attributes of the copy only); the step is left to the module."""
+    if not callable(getattr(model, "training_step", None)):
+        raise TypeError(f"{type(model).__name__} has no training_step(batch, batch_idx) to replay")
+    manual = not getattr(model, "automatic_optimization", True)
+    if manual:
+        model.optimizers = lambda *a, **k: optimizer
+        model.manual_backward = lambda loss, *a, **k: loss.backward(*a, **k)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")         # "self.log() without a Trainer" on the copy
+        out = model.training_step(batch, batch_idx)
+    loss = out.get("loss") if isinstance(out, Mapping) else out
+    if manual or not isinstance(loss, torch.Tensor):
+        return loss if isinstance(loss, torch.Tensor) else None
+    if optimizer is not None:
+        optimizer.zero_grad()
+    if loss.requires_grad:
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if optimizer is not None:
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+    return loss
+
+
+__all__ = ["STEP_METHODS", "training_step_replay"]
