@@ -6,6 +6,7 @@ These are frozen, JSON-ready values. Behaviour (rules, ranking, rendering) lives
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -172,6 +173,103 @@ class Finding:
         )
 
 
+def _num(v: Any) -> float | None:
+    """A number as float (JSON's ``"nan"``/``"inf"``/``"-inf"`` strings too); ``None`` for anything else."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    if isinstance(v, str) and v in ("nan", "inf", "-inf"):
+        return float(v)
+    return None
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a value was seen: an op in a module, phase and step (``summary["first_nan"]`` and friends).
+
+    >>> str(Site("aten.mm.default", "encoder.block.0", "forward", 0, 41))
+    'aten.mm.default in encoder.block.0 (forward, step 0, op #41)'
+    """
+
+    op: str = ""
+    module: str = ""
+    phase: str = ""
+    step: int | None = None
+    index: int | None = None
+
+    @classmethod
+    def of(cls, raw: Any) -> Site | None:
+        """The site of a ``{"op", "module", "phase", "step", "index"}`` mapping; ``None`` for anything else."""
+        if not isinstance(raw, Mapping):
+            return None
+        return cls(str(raw.get("op") or ""), str(raw.get("module") or ""), str(raw.get("phase") or ""),
+                   _int(raw.get("step")), _int(raw.get("index")))
+
+    def __str__(self) -> str:
+        where = f"{self.op or '?'} in {self.module or '<root>'}"
+        extras = [self.phase] if self.phase else []
+        if self.step is not None:
+            extras.append(f"step {self.step}")
+        if self.index is not None:
+            extras.append(f"op #{self.index}")
+        return f"{where} ({', '.join(extras)})" if extras else where
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """The run facts of :attr:`Report.summary` every renderer shows, typed once (:attr:`Report.run`).
+
+    ``Report.summary`` stays the JSON mapping (with rule-specific extras: origins, chain, scales, fp8); this is
+    its common part read once, tolerating reports loaded from older or partial JSON: an absent or malformed
+    field is ``None`` (``forward_only``: ``False``). ``loss_target``/``loss_reference`` are ``None`` when the
+    report has no such key, else one float (or ``None``) per step.
+
+    >>> run = RunSummary.of({"precision": "fp16", "steps": 1, "loss_target": ["nan"], "elapsed_s": 0.2})
+    >>> run.precision, run.steps, run.loss_target, run.loss_reference, run.first_nan
+    ('fp16', 1, (nan,), None, None)
+    """
+
+    precision: str | None = None
+    steps: int | None = None
+    loss_target: tuple[float | None, ...] | None = None
+    loss_reference: tuple[float | None, ...] | None = None
+    forward_only: bool = False
+    device: str | None = None
+    torch_version: str | None = None
+    elapsed_s: float | None = None
+    ops_traced: int | None = None
+    first_nonfinite: Site | None = None
+    first_nan: Site | None = None
+    skipped_steps: int | None = None
+
+    @classmethod
+    def of(cls, summary: Any, precision: str | None = None) -> RunSummary:
+        """The typed facts of a summary mapping; ``precision`` (the report's own) wins over the summary's."""
+        s = summary if isinstance(summary, Mapping) else {}
+
+        def losses(key: str) -> tuple[float | None, ...] | None:
+            if key not in s:
+                return None
+            v = s[key]
+            return tuple(_num(x) for x in v) if isinstance(v, (list, tuple)) else (_num(v),)
+
+        def text(key: str) -> str | None:
+            v = s.get(key)
+            return str(v) if v not in (None, "") else None
+
+        elapsed = _num(s.get("elapsed_s"))
+        return cls(
+            precision=precision if precision is not None else text("precision"), steps=_int(s.get("steps")),
+            loss_target=losses("loss_target"), loss_reference=losses("loss_reference"),
+            forward_only=s.get("forward_only") is True, device=text("device"), torch_version=text("torch_version"),
+            elapsed_s=elapsed if elapsed is not None and math.isfinite(elapsed) else None,
+            ops_traced=_int(s.get("ops_traced")), first_nonfinite=Site.of(s.get("first_nonfinite")),
+            first_nan=Site.of(s.get("first_nan")), skipped_steps=_int(s.get("skipped_steps")))
+
+
 @dataclass(frozen=True)
 class Report:
     """The result of :func:`ampdoctor.diagnose`: findings, most important first.
@@ -197,6 +295,11 @@ class Report:
     @property
     def ok(self) -> bool:
         return not any(f.severity == "error" for f in self.findings)
+
+    @property
+    def run(self) -> RunSummary:
+        """The common run facts of :attr:`summary`, typed (what renderers read)."""
+        return RunSummary.of(self.summary, self.precision)
 
     @property
     def root_cause(self) -> Finding | None:

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ampdoctor.findings import FixProposal, Report
+from ampdoctor.findings import FixProposal, Report, RunSummary, Site
 from ampdoctor.trace import dtype_info
 
 #: Horizontal reference lines of the range plot: (label, value).
@@ -207,18 +207,10 @@ def fmt_margin(bits: float | None) -> str:
 
 
 def site(entry: Any) -> str:
-    """``aten.mm.default in encoder.block.0 (forward, step 0)`` from a ``{"op","module","phase","step"}`` dict."""
-    if not isinstance(entry, Mapping):
-        return "-"
-    op = str(entry.get("op") or "") or "?"
-    module = str(entry.get("module") or "")
-    where = f"{op} in {module}" if module else f"{op} in <root>"
-    extras = [str(entry[k]) for k in ("phase",) if entry.get(k)]
-    if isinstance(entry.get("step"), int):
-        extras.append(f"step {entry['step']}")
-    if isinstance(entry.get("index"), int):
-        extras.append(f"op #{entry['index']}")
-    return f"{where} ({', '.join(extras)})" if extras else where
+    """``aten.mm.default in encoder.block.0 (forward, step 0)`` from a :class:`Site` or a
+    ``{"op","module","phase","step"}`` mapping; ``-`` for anything else."""
+    s = entry if isinstance(entry, Site) else Site.of(entry)
+    return "-" if s is None else str(s)
 
 
 def chain(report: Report) -> list[dict[str, str]]:
@@ -230,18 +222,11 @@ def chain(report: Report) -> list[dict[str, str]]:
     return out
 
 
-def last_loss(values: Any) -> Any:
-    if isinstance(values, (list, tuple)) and values:
-        return values[-1]
-    return values
-
-
-def loss_text(summary: Mapping[str, Any]) -> str:
+def loss_text(run: RunSummary) -> str:
     """``target nan, fp32 reference 3.472`` from the last entries of ``loss_target`` / ``loss_reference``."""
-    parts = []
-    for key, label in (("loss_target", "target"), ("loss_reference", "fp32 reference")):
-        if key in summary:
-            parts.append(f"{label} {fmt_num(last_loss(summary[key]))}")
+    parts = [f"{label} {fmt_num(losses[-1] if losses else None)}"
+             for losses, label in ((run.loss_target, "target"), (run.loss_reference, "fp32 reference"))
+             if losses is not None]
     return ", ".join(parts) or "-"
 
 

@@ -93,20 +93,18 @@ def _context(report: Report) -> dict[str, Any]:
     summary = report.summary if isinstance(report.summary, Mapping) else {}
     rows = F.layer_rows(report)
     facts = []
-    precision = report.precision if report.precision is not None else summary.get("precision")
-    facts.append(("precision", precision or "as given (none)"))
-    for key, label in (("steps", "steps"), ("device", "device"), ("torch_version", "torch")):
-        if summary.get(key) not in (None, ""):
-            facts.append((label, str(summary[key])))
-    if F.finite(summary.get("elapsed_s")) is not None:
-        facts.append(("elapsed", f"{F.finite(summary['elapsed_s']):.1f} s"))
+    run = report.run
+    facts.append(("precision", run.precision or "as given (none)"))
+    facts += [(label, str(v)) for v, label in ((run.steps, "steps"), (run.device, "device"),
+                                               (run.torch_version, "torch")) if v is not None]
+    if run.elapsed_s is not None:
+        facts.append(("elapsed", f"{run.elapsed_s:.1f} s"))
     if report.source:
         facts.append(("source", report.source))
-    if "loss_target" in summary or "loss_reference" in summary:
-        facts.append(("loss (last step)", F.loss_text(summary)))
-    for key, label in (("first_nonfinite", "first non-finite"), ("first_nan", "first NaN")):
-        if isinstance(summary.get(key), Mapping):
-            facts.append((label, F.site(summary[key])))
+    if run.loss_target is not None or run.loss_reference is not None:
+        facts.append(("loss (last step)", F.loss_text(run)))
+    facts += [(label, str(site)) for site, label in ((run.first_nonfinite, "first non-finite"),
+                                                     (run.first_nan, "first NaN")) if site is not None]
     if F.scale_text(summary):
         facts.append(("loss scale", F.scale_text(summary)))
     counts = {sev: sum(f.severity == sev for f in report.findings) for sev in ("error", "warning", "info")}

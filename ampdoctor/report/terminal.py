@@ -118,18 +118,15 @@ def _summary_panel(rich: Any, report: Report) -> Any:
         grid.add_row(label, value)
 
     row("Verdict", ("OK" if report.ok else "FAIL", "bold green" if report.ok else "bold red"), (f"  ({tally})", ""))
-    precision = report.precision if report.precision is not None else s.get("precision")
-    run = [f"precision {precision or 'as given (none)'}"]
-    if isinstance(s.get("steps"), int):
-        run.append(_plural(s["steps"], "step"))
-    for key, label in (("device", "device"), ("torch_version", "torch")):
-        if s.get(key):
-            run.append(f"{label} {s[key]}")
-    elapsed = F.finite(s.get("elapsed_s"))
-    if elapsed is not None:
-        run.append(f"{elapsed:.1f} s")
+    facts = report.run
+    run = [f"precision {facts.precision or 'as given (none)'}"]
+    if facts.steps is not None:
+        run.append(_plural(facts.steps, "step"))
+    run += [f"{label} {v}" for v, label in ((facts.device, "device"), (facts.torch_version, "torch")) if v]
+    if facts.elapsed_s is not None:
+        run.append(f"{facts.elapsed_s:.1f} s")
     row("Run", (", ".join(run), ""))
-    if s.get("forward_only") is True:  # say what did not run: an "OK" here judges the forward only
+    if facts.forward_only:  # say what did not run: an "OK" here judges the forward only
         row("Mode", ("forward only: no backward and no optimizer step ran (the step has no loss with a graph; pass "
                      "loss_fn=... to diagnose training)", "yellow"))
     if report.source:
@@ -145,16 +142,16 @@ def _summary_panel(rich: Any, report: Report) -> Any:
             (root.code, _SEVERITY_STYLE.get(root.severity, "")),
             (f" in {root.module or '<root>'} ({detail})", ""),
         )
-    if "loss_target" in s or "loss_reference" in s:
-        row("Loss (last step)", (F.loss_text(s), ""))
-    if isinstance(s.get("first_nonfinite"), Mapping):
-        row("First non-finite", (F.site(s["first_nonfinite"]), ""))
-    if isinstance(s.get("first_nan"), Mapping):
-        row("First NaN", (F.site(s["first_nan"]), ""))
+    if facts.loss_target is not None or facts.loss_reference is not None:
+        row("Loss (last step)", (F.loss_text(facts), ""))
+    if facts.first_nonfinite is not None:
+        row("First non-finite", (str(facts.first_nonfinite), ""))
+    if facts.first_nan is not None:
+        row("First NaN", (str(facts.first_nan), ""))
     if F.scale_text(s):
         row("Loss scale", (F.scale_text(s), ""))
-    elif isinstance(s.get("skipped_steps"), int):
-        row("Skipped steps", (str(s["skipped_steps"]), ""))
+    elif facts.skipped_steps is not None:
+        row("Skipped steps", (str(facts.skipped_steps), ""))
 
     title = rich.text.Text("ampdoctor report", style="bold")
     return rich.panel.Panel(grid, title=title, title_align="left", border_style="green" if report.ok else "red")
