@@ -15,7 +15,17 @@ import torch
 from torch import nn
 
 from ampdoctor.errors import DiagnosisError
-from ampdoctor.findings import Finding, Report, agree, analyse, build_context, enrich_all, layers, summary
+from ampdoctor.findings import (
+    Finding,
+    Report,
+    agree,
+    analyse,
+    attach_exception,
+    build_context,
+    enrich_all,
+    layers,
+    summary,
+)
 from ampdoctor.precision import (
     RunResult,
     StepSpec,
@@ -103,6 +113,7 @@ def diagnose_spec(spec: StepSpec, *, policy: str = "cuda", progress: Any = None,
     if agreement is not None:
         findings = list(agreement.inserted) + list(agreement.findings)
     _raise_unexplained_crash(spec, target, findings)
+    findings = attach_exception(findings, ctx)  # the crash's exception, on the finding that explains it
     run_summary = summary(ctx, findings, time.perf_counter() - t0)
     if agreement is not None:
         run_summary.update(agreement.summary())  # rank, world_size, nonfinite_ranks, nonfinite_origin, ...

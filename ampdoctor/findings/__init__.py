@@ -17,6 +17,7 @@ from ampdoctor.findings import (  # noqa: F401  (importing a rule module registe
     _underflow,  # underflow
 )
 from ampdoctor.findings._context import Context, build_context, group_by_owner
+from ampdoctor.findings._crash import attach_exception
 from ampdoctor.findings._knowledge import enrich_all
 from ampdoctor.findings._ranks import agree
 from ampdoctor.findings._registry import CODE_INFO, RULES, Candidate, CodeInfo, Order, Stage, at, codes_markdown, rule
@@ -79,6 +80,7 @@ __all__ = [
     "analyse",
     "at",
     "agree",
+    "attach_exception",
     "build_context",
     "enrich_all",
     "group_by_owner",

@@ -5,7 +5,8 @@ same first five fields. Ops that exist in one dtype only (an fp16-only clamp, au
 their own count, so the rest stays aligned.
 
 An origin is *harmful* when its lineage reaches the loss, a model output, a gradient written to ``.grad``,
-or an optimizer-phase value, or when a finite record that absorbed it disagrees with the reference
+an optimizer-phase value or the input of the op that raised (a crash cuts the lineage short there), or when
+a finite record that absorbed it disagrees with the reference
 (``rsqrt(inf) = 0`` in an RMSNorm). Otherwise it is *benign* (a ``-inf`` mask softmax absorbs, T5's
 ``log(0)`` discarded by ``torch.where``).
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from ampdoctor.findings import _analysis
+from ampdoctor.findings import _analysis, _elementwise
 from ampdoctor.findings._common import dtype_name, feeders, group_by_owner, limits, op_base
 from ampdoctor.precision import RunResult, StepSpec
 from ampdoctor.trace import Lineage, OpRecord, analyse_lineage, has_nan, is_nonfinite
@@ -118,6 +119,14 @@ class Context:
         return _analysis.relative_errors(self)
 
     @cached_property
+    def element_errors(self) -> dict[int, dict[str, float]]:
+        return _elementwise.element_errors(self)
+
+    @cached_property
+    def decision_changes(self) -> list[dict[str, Any]]:
+        return _elementwise.decision_changes(self)
+
+    @cached_property
     def trig_buffer_sources(self) -> list[tuple[OpRecord, OpRecord]]:
         return _analysis.trig_buffer_sources(self)
 
@@ -188,6 +197,8 @@ def build_context(spec: StepSpec, target: RunResult, reference: RunResult | None
     records = target.trace.records
     protected = set(target.trace.marks.get("loss", [])) | set(target.trace.marks.get("output", []))
     ctx.protected = protected
+    err = target.trace.error
+    crash_inputs = set(err.get("inputs", ())) if err is not None else set()
     for o in lineage.origins:
         rec = records[o]
         reasons: list[str] = []
@@ -198,6 +209,8 @@ def build_context(spec: StepSpec, target: RunResult, reference: RunResult | None
             reasons.append("reaches a parameter update")
         if any(records[i].node == "AccumulateGrad" for i in chain):
             reasons.append("reaches a parameter gradient")
+        if err is not None and crash_inputs.intersection(chain):
+            reasons.append(f"feeds {err['op']}, which raised {err['type']}: {err['message']}")
         if not reasons:
             for a in lineage.absorbed.get(o, []):
                 ar = records[a]

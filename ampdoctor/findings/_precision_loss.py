@@ -10,9 +10,12 @@ import math
 from ampdoctor.findings._analysis import output_deviation
 from ampdoctor.findings._common import (
     CANCEL_OPS,
+    LOW,
     base_evidence,
     dtype_name,
+    feeders,
     fmt,
+    is_low,
     keep_fp32_fix,
     limits,
     op_base,
@@ -20,6 +23,8 @@ from ampdoctor.findings._common import (
     where,
 )
 from ampdoctor.findings._context import Context
+from ampdoctor.findings._crash import out_of_range_findings
+from ampdoctor.findings._elementwise import AMPLIFIERS, decision_source, element_loss_records
 from ampdoctor.findings._registry import Candidate, rule
 from ampdoctor.findings._types import Finding, FixProposal
 from ampdoctor.trace import OpRecord
@@ -48,8 +53,25 @@ def precision_loss(ctx: Context) -> list[Candidate]:
     or more; smaller own errors are ``info`` and reported only when the first step's loss (or output) deviates by
     more than 1% and no inf/NaN explains it. At most five ops, the largest own errors. A NaN made from finite
     inputs where the reference is finite (``sqrt`` of a variance that cancellation made negative) is an ``error``
-    reported at the cancelling op."""
-    return _cancellation_findings(ctx) + _lost_accuracy_findings(ctx)
+    reported at the cancelling op. When the target run raised and a finite low-precision input of the failing op
+    leaves the fp32 range (an index computed from a value that rounds up), the op that rounded it out is an
+    ``error`` (:mod:`ampdoctor.findings._crash`).
+
+    Element-wise (:mod:`ampdoctor.findings._elementwise`): the trace keeps 64 values per step-0 output at fixed
+    positions (the same in both runs), so every finding carries ``elementwise`` -- ``p50``/``p99``/``max`` of
+    ``|t - r| / max(|r|, rms(r) / 16)`` and ``sign_flips`` -- and an op whose own median element error exceeds 25%
+    is a ``warning`` even when its norm and |max| agree (``sin`` of a large angle: ``argument_absmax``,
+    ``argument_abs_error``). Decision ops (argmax, topk, sort, ``max.dim``) are compared index by index: rows that
+    choose differently are a ``warning`` at the low-precision op that computed the compared scores, with
+    ``decisions_changed``, ``rows``, ``changed_fraction``, ``changed_rows``, ``examples``, ``decision_op``,
+    ``decision_module`` and ``ties_target``/``ties_reference``/``ties_created`` (rows whose winner ties with the
+    next candidate). When the values come from a batch ampdoctor cast for a pure ``fp16``/``bf16`` precision, the
+    explanation says so (under ``-amp`` the batch stays float32)."""
+    lost = _lost_accuracy_findings(ctx)
+    decisions = _decision_findings(ctx)
+    at = {c.order for c in decisions}
+    return (_cancellation_findings(ctx) + out_of_range_findings(ctx) + decisions + lost
+            + [c for c in _element_findings(ctx) if c.order not in at])
 
 
 def _cancellation_findings(ctx: Context) -> list[Candidate]:
@@ -118,6 +140,8 @@ def _lost_accuracy_findings(ctx: Context) -> list[Candidate]:
         severity = "warning" if own >= WARN_REL else "info"
         dt = dtype_name(r.dtype)
         ev = base_evidence(r)
+        if r.index in ctx.element_errors:
+            ev["elementwise"] = ctx.element_errors[r.index]
         ev.update({"relative_error": e, "inherited_error": inh, "own_error": own, "tolerance": tol,
                    "reduction_length": k, "unit_roundoff": u, "norm": r.stats["norm"], "ref_norm": ref.stats["norm"],
                    "absmax": r.stats["absmax"], "ref_absmax": ref.stats["absmax"]})
@@ -139,6 +163,10 @@ def _lost_accuracy_findings(ctx: Context) -> list[Candidate]:
             expl += (f" Catastrophic cancellation: operands of |max| {fmt(in_max)} give a result of |max| "
                      f"{fmt(ref.stats['absmax'])}, so ~{ev['digits_cancelled']:.0f} of the leading bits cancel and "
                      f"{dt}'s rounding of the operands dominates the result.")
+        expl += _elementwise_text(ctx, r)
+        amp_ev, amp_txt = _amplification(ctx, r, inh)
+        ev.update(amp_ev)
+        expl += amp_txt
         if sub_in:
             expl += (f" Its inputs hold {sub_in} subnormal value(s) (below {fmt(limits(r.dtype)[1])}, where {dt} keeps "
                      "fewer significant bits)" + ("; loss scaling lifts backward values out of that range."
@@ -166,3 +194,104 @@ def _fixes(r: OpRecord, subnormal_inputs: bool, cancelling: bool) -> tuple[FixPr
                                  "(u = 2**-11 instead of 2**-8)", id="switch_precision",
                                  params={"precision": "fp16-amp"}))
     return tuple(fixes)
+
+
+def _amplification(ctx: Context, r: OpRecord, inherited: float) -> tuple[dict[str, float], str]:
+    """sin/cos/exp turn an argument's relative error into a large absolute (sin) or relative (exp) one."""
+    ins = [ctx.records[i] for i in r.inputs if i >= 0]
+    if op_base(r.op) not in AMPLIFIERS or not ins:
+        return {}, ""
+    a = max(x.stats.get("absmax", 0.0) for x in ins)
+    err = a * max(inherited, unit_roundoff(ins[0].dtype))
+    unit = "radians of phase" if op_base(r.op) in ("sin", "cos") else "which exp turns into a relative error"
+    return ({"argument_absmax": a, "argument_abs_error": err},
+            f" {op_base(r.op)} amplifies its argument's error: arguments up to {fmt(a)} rounded to "
+            f"{dtype_name(ins[0].dtype)} are off by about {fmt(err)} in absolute terms, {unit}"
+            " -- compute the argument and the function in float32.")
+
+
+def _elementwise_text(ctx: Context, r: OpRecord) -> str:
+    ee = ctx.element_errors.get(r.index)
+    if ee is None:
+        return ""
+    return (f" Element by element the median relative error against fp32 is {ee['p50']:.1%} (p99 {ee['p99']:.1%}, "
+            f"max {ee['max']:.3g}, {int(ee['sign_flips'])} sign flip(s) in {int(ee['n'])} sampled elements).")
+
+
+def _batch_note(ctx: Context, r: OpRecord) -> str:
+    """When the values come from a batch tensor ampdoctor cast for the precision: say so."""
+    prec = ctx.spec.precision or ""
+    if prec.endswith("-amp") or not prec:
+        return ""
+    cast = [x for x in [r, *feeders(ctx.records, r, 6)] if x.kind == "batch" and is_low(x.dtype)]
+    if not cast:
+        return ""
+    return (f" The batch feeding it was cast to {dtype_name(cast[0].dtype)} by precision '{prec}' (it casts the "
+            "whole model and its floating inputs); under autocast ('-amp') inputs stay float32.")
+
+
+def _decision_findings(ctx: Context) -> list[Candidate]:
+    """Decision ops (argmax, topk, sort, ``max.dim``) whose choice differs from fp32 in some rows."""
+    out: list[Candidate] = []
+    for ch in ctx.decision_changes:
+        d = ch["decision"]
+        src = decision_source(ctx, d)
+        if src is None or not (is_low(src.dtype) or any(dtype_name(x) in LOW for x in src.input_dtypes)):
+            continue
+        n, rows = len(ch["changed_rows"]), ch["rows"]
+        dt = dtype_name(src.dtype)
+        ev = base_evidence(src)
+        ties_t, ties_r = ch["ties_target"], ch["ties_reference"]
+        ev.update({"decisions_changed": n, "rows": rows, "changed_fraction": n / max(rows, 1),
+                   "changed_rows": ch["changed_rows"][:20], "examples": ch["examples"], "decision_op": d.op,
+                   "decision_module": d.module, "ties_target": ties_t, "ties_reference": ties_r})
+        if ties_t is not None and ties_r is not None:
+            ev["ties_created"] = max(0, ties_t - ties_r)
+        if src.index in ctx.element_errors:
+            ev["elementwise"] = ctx.element_errors[src.index]
+        tie_txt = (f" {ev['ties_created']} row(s) hold exact ties in {dt} that fp32 tells apart (distinct values "
+                   "that round to the same number)." if ev.get("ties_created") else "")
+        expl = (f"{d.op} in {d.module or '<root>'} ({d.phase}, step 0) chooses differently from the fp32 reference "
+                f"in {n} of {rows} row(s) (e.g. row {ch['examples'][0]['row']}: {ch['examples'][0]['target']} vs "
+                f"{ch['examples'][0]['reference']}). The scores it compares come from {where(src)}, computed in "
+                f"{dt} (u = {fmt(unit_roundoff(src.dtype))}): where candidates are closer than that rounding, the "
+                f"pick changes although the tensor's norm agrees.{tie_txt}" + _batch_note(ctx, src))
+        fixes = [FixProposal("compute the scores that are compared in float32",
+                             "scores = layer(x.float()) if needed; idx = scores.float().argmax(-1)")]
+        if src.module:
+            fixes.insert(0, keep_fp32_fix(src.module))
+        out.append(Candidate(Finding(
+            "precision-loss", "warning", src.module, src.op, src.phase,
+            f"{op_base(d.op)} picks differently in {dt} for {n}/{rows} rows in {d.module or '<root>'}", expl, ev,
+            tuple(fixes), src.step), src.index))
+    return out
+
+
+def _element_findings(ctx: Context) -> list[Candidate]:
+    """Ops whose own median element error exceeds ``ELEMENT_WARN`` (norm and |max| hide it): at most five."""
+    skip = {r.index for r, *_ in ctx.precision_loss_records} | set(ctx.saturated_sources) | {
+        r.index for r, *_ in ctx.underflow_origins} | {t.index for t, _ in ctx.trig_buffer_sources} | {
+        i for i, e in ctx.relative_errors.items() if not math.isfinite(e)}
+    out: list[Candidate] = []
+    seen: set[tuple[str, str, str]] = set()
+    for r, e, inh in element_loss_records(ctx, skip):
+        if (r.module, r.op, r.phase) in seen or len(out) >= 5:
+            continue
+        seen.add((r.module, r.op, r.phase))
+        ee = ctx.element_errors[r.index]
+        dt = dtype_name(r.dtype)
+        ev = base_evidence(r)
+        ev.update({"elementwise": ee, "inherited_p50": inh, "own_error": e - inh})
+        expl = (f"{where(r)} is wrong element by element: the median relative error against fp32 is {e:.1%} "
+                f"(p99 {ee['p99']:.1%}, max {ee['max']:.3g}, {int(ee['sign_flips'])} sign flip(s) in "
+                f"{int(ee['n'])} sampled elements) while its inputs carried {inh:.2%}; the tensor's norm and |max| "
+                "hardly show it.")
+        amp_ev, amp_txt = _amplification(ctx, r, inh)
+        ev.update(amp_ev)
+        expl += amp_txt
+        expl += _batch_note(ctx, r)
+        out.append(Candidate(Finding(
+            "precision-loss", "warning", r.module, r.op, r.phase,
+            f"{op_base(r.op)} loses {e - inh:.0%} per element in {dt} in {r.module or '<root>'}", expl, ev,
+            _fixes(r, False, False), r.step), r.index))
+    return out

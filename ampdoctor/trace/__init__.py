@@ -114,6 +114,8 @@ class TraceResult:
     full: bool
     error: dict[str, Any] | None = None
     marks: dict[str, list[int]] = field(default_factory=dict)
+    #: step-0 decision ops (argmax, topk, sort, ``max.dim``) with their indices (``trace._sample.Decision``)
+    decisions: list[Any] = field(default_factory=list)
 
     @property
     def first_nonfinite(self) -> OpRecord | None:
@@ -246,7 +248,8 @@ class Trace:
         """Read the statistics back (one host sync per device) and return the records."""
         with _paused(self.mode):
             self.mode.read()
-        return TraceResult(self.mode.records, self.mode.full, self.mode.error, self.marks)
+        return TraceResult(self.mode.records, self.mode.full, self.mode.error, self.marks,
+                           self.mode.sketch.decisions)
 
 
 class _paused:

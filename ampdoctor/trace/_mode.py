@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from ampdoctor.trace._modules import ModuleAttribution
 from ampdoctor.trace._ops import Kind, Literal, literal_values, op_info, ops_with
+from ampdoctor.trace._sample import Sketches
 from ampdoctor.trace._stats import (
     BOUNDED_OPS,
     CHEAP_FIELDS,
@@ -51,6 +52,7 @@ class OpRecord:
     __slots__ = (
         "index", "op", "module", "phase", "step", "node", "dtype", "shape", "inputs", "row", "kind",
         "src", "scalars", "literals", "name", "stats", "input_dtypes", "out_pos", "align",
+        "sample", "index_src",
     )
 
     def __init__(self, index: int, op: str, module: str, phase: str, step: int, node: str, dtype: torch.dtype,
@@ -74,6 +76,8 @@ class OpRecord:
         self.stats: dict[str, float] = {}
         self.input_dtypes: tuple[str, ...] = ()
         self.out_pos = 0
+        self.sample: tuple[float, ...] = ()  # values at fixed positions, step 0 (``trace._sample``)
+        self.index_src: tuple[int, ...] = ()  # records its integer inputs (indices) were computed from
 
     def __repr__(self) -> str:
         return f"OpRecord(#{self.index} {self.op} module={self.module!r} {self.phase} {self.dtype} {self.shape})"
@@ -151,6 +155,7 @@ class _OpContext:
     scalars: tuple[float, ...]
     literals: tuple[tuple[Literal, float], ...]
     in_dtypes: tuple[str, ...]
+    index_src: tuple[int, ...] = ()
 
 
 class RecordingMode(TorchDispatchMode):
@@ -180,6 +185,7 @@ class RecordingMode(TorchDispatchMode):
         self.scratch = Scratch()
         self._row_base = 0
         self._read_upto = 0
+        self.sketch = Sketches(_key)  # step-0 samples, decision indices, integer tensors' sources
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _phase(self, node: Any) -> str:
@@ -229,6 +235,8 @@ class RecordingMode(TorchDispatchMode):
             row = self._lite_row(t)
         else:
             row = self._full_row(t, None)
+        if self.full:
+            self.sketch.sample(t, row_index, self.step, phase)
         self.rows.append(row)
         self.records.append(rec)
         if key is not None:
@@ -334,7 +342,7 @@ class RecordingMode(TorchDispatchMode):
                 _flat(kwargs.get(arg.name) if arg.kwarg_only else (args[i] if i < len(args) else None), outs)
 
     def _record_error(self, func: Any, args: Any, kwargs: Any, node: Any, phase: str, module: str,
-                      e: Exception) -> None:
+                      e: Exception, in_idx: tuple[int, ...] = ()) -> None:
         if self.error is not None:
             return
         ins: list[torch.Tensor] = []
@@ -344,6 +352,7 @@ class RecordingMode(TorchDispatchMode):
         if not module:
             module = self._module(node, phase, ins)
         self.error = {
+            "inputs": self.sketch.error_inputs(in_idx, ins),
             "op": str(func), "module": module, "phase": phase, "step": self.step,
             "node": type(node).__name__ if node is not None else "",
             "input_dtypes": [str(t.dtype).replace("torch.", "") for t in ins],
@@ -376,7 +385,7 @@ class RecordingMode(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except Exception as e:
-            self._record_error(func, args, kwargs, node, phase, module, e)
+            self._record_error(func, args, kwargs, node, phase, module, e, in_idx)
             raise
         outs: list[torch.Tensor] = []
         _flat(out, outs)
@@ -387,10 +396,13 @@ class RecordingMode(TorchDispatchMode):
             literals = literal_values(base, args, kwargs, _arg_names(func)) if op_info(base).literals else ()
             ctx = _OpContext(self._op_info(func), node, phase, module, in_idx,
                              _user_frame() if phase == "forward" else None, _scalars(args, kwargs), literals,
-                             tuple(str(t.dtype).replace("torch.", "") for t in ins if t.is_floating_point()))
+                             tuple(str(t.dtype).replace("torch.", "") for t in ins if t.is_floating_point()),
+                             self.sketch.index_sources(ins))
             for pos, t in enumerate(outs):
                 if t.is_floating_point() and not t.is_meta:
                     self._record_output(ctx, pos, t, len(outs))
+                elif not t.is_meta:  # an integer output: its sources, and a decision's indices (trace._sample)
+                    self.sketch.integer(t, ctx.info[:2], module, phase, self.step, in_idx, ins, pos, args, kwargs)
         return out
 
     def _record_output(self, ctx: _OpContext, pos: int, t: torch.Tensor, n_outs: int) -> None:
@@ -417,9 +429,11 @@ class RecordingMode(TorchDispatchMode):
             self.rows.append(_placeholder(t, len(FULL_FIELDS) + (len(HEADROOM_FORMATS) if self.headroom else 0)))
         else:
             rec.src, rec.scalars, rec.literals, rec.input_dtypes = ctx.src, ctx.scalars, ctx.literals, ctx.in_dtypes
+            rec.index_src = ctx.index_src
             if phase == "optimizer":
                 self.rows.append(self._lite_row(t))
             else:
+                self.sketch.sample(t, rec.row, self.step, phase)
                 self.rows.append(self._full_row(t, BOUNDED_OPS.get(base)))
         self.records.append(rec)
         key = _key(t)
@@ -463,10 +477,8 @@ class RecordingMode(TorchDispatchMode):
                         values[i] = r
                     else:
                         by_dev.setdefault(r.device, []).append(i)
-                for idxs in by_dev.values():
-                    mat = torch.stack([rows[i] for i in idxs]).cpu().tolist()
-                    for i, v in zip(idxs, mat):
-                        values[i] = v
+                # with the samples and decisions: one transfer per device
+                self.sketch.read_rows(rows, by_dev, values, base, self.records[self._read_upto:])
             else:  # (min, max) pairs: one stack per device and dtype, one read per device
                 groups: dict[Any, list[int]] = {}
                 for i, (mn, _) in enumerate(rows):

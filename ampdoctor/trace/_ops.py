@@ -49,6 +49,8 @@ class Kind(enum.Enum):
     POLE = "pole"                    # infinite where an input is 0: log(0) = -inf, 1/0, rsqrt(0), x / 0
     LOG = "log"                      # a logarithm (log, log2, log10): of a softmax it is a log-softmax
     GEMM = "gemm"                    # a GEMM kernel below autograd (mm, addmm, convolution): accumulates K products
+    EXPONENTIAL = "exponential"      # exp: an input's absolute error becomes the result's relative error
+    DECISION = "decision"            # returns indices chosen by comparing values (argmax, topk, sort)
 
 
 class Reduces(enum.Enum):
@@ -278,7 +280,7 @@ for _n in ("cross_entropy", "mse_loss", "nll_loss", "binary_cross_entropy_with_l
 declare("sum", K.CANCELLING, K.NORM_STATISTIC, reduces=Reduces.RATIO, family=F.LOSS, upcast=FP32)
 declare("mean", K.CANCELLING, K.NORM_STATISTIC, reduces=Reduces.RATIO, family=F.LOSS, upcast=FP32)
 for _n in ("exp", "expm1", "exp2"):
-    declare(_n, family=F.EXP, upcast=FP32)
+    declare(_n, K.EXPONENTIAL, family=F.EXP, upcast=FP32)
 for _n in ("prod", "amax"):
     declare(_n, reduces=Reduces.RATIO)
 _ADDEND = _lits(("other", 1, R.ADDEND))
@@ -327,4 +329,6 @@ declare("_fused_rms_norm", literals=_lits(("eps", 3, R.EPS)))
 for _n in ("native_batch_norm", "_native_batch_norm_legit", "batch_norm"):
     declare(_n, literals=_lits(("eps", 7, R.EPS)))
 declare("_native_batch_norm_legit_no_training", literals=_lits(("eps", 6, R.EPS)))
+for _n in ("argmax", "argmin", "topk", "sort", "argsort", "max", "min", "kthvalue"):
+    declare(_n, K.DECISION)
 del _n, K, R, F, IN, FP32

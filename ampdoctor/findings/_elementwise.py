@@ -1,0 +1,162 @@
+"""Precision loss measured element by element, and decisions the low precision changed.
+
+Read by the ``precision-loss`` rule. Two measurements, both from what the trace keeps per step-0 output
+(``trace._sample``): the values at 64 fixed positions, the same in the target and the reference run, and the
+integer outputs of decision ops (argmax, topk, sort, ``max.dim``).
+
+- **Element-wise error.** Per record, ``|t - r| / max(|r|, floor)`` over the sampled positions, with ``floor``
+  1/16 of the reference sample's RMS (an element far below the tensor's typical size is judged against that
+  size, not its own): the median (p50), p99 and max, and the sign flips (elements whose sign differs where
+  ``|r| > floor``). A record's *own* error is its p50 minus the largest p50 of its inputs. A periodic function
+  of a large argument (``sin(position * freq)``) or an exponential turns the argument's small *relative* error
+  into a large absolute one: the norm and |max| of the result hardly change, the elements do.
+- **Decisions.** The target's indices are compared with the reference's row by row (argmax/``max.dim``:
+  each output element is a row; topk: the set of chosen indices per row; sort: the order per row), and the tie
+  counts (rows whose chosen value equals the next candidate's) tell whether rounding created ties.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from ampdoctor.findings._common import ALIAS_OPS, CASTS, LOW, dtype_name, feeders, is_low, op_base
+from ampdoctor.trace import Kind, OpRecord, ops_with
+
+if TYPE_CHECKING:
+    from ampdoctor.findings._context import Context
+
+#: a record whose own median element error exceeds this is flagged (the typical element is wrong by 25%)
+ELEMENT_WARN = 0.25
+#: the relative-error floor is this fraction of the reference sample's RMS
+FLOOR = 1.0 / 16
+AMPLIFIERS = ops_with(Kind.PERIODIC) | ops_with(Kind.EXPONENTIAL)
+
+
+def sample_error(t: OpRecord, ref: OpRecord) -> dict[str, float] | None:
+    """``{p50, p99, max, sign_flips, n}`` of the element-wise relative error of ``t`` against ``ref``."""
+    if not t.sample or len(t.sample) != len(ref.sample) or t.shape != ref.shape:
+        return None
+    pairs = [(a, b) for a, b in zip(t.sample, ref.sample) if math.isfinite(a) and math.isfinite(b)]
+    if not pairs:
+        return None
+    rms = math.sqrt(sum(b * b for _, b in pairs) / len(pairs))
+    if rms == 0:
+        return None
+    floor = FLOOR * rms
+    errs = sorted(abs(a - b) / max(abs(b), floor) for a, b in pairs)
+    n = len(errs)
+    flips = sum(1 for a, b in pairs if abs(b) > floor and (a > 0) != (b > 0))
+    return {"p50": errs[(n - 1) // 2], "p99": errs[min(n - 1, math.ceil(0.99 * n) - 1)], "max": errs[-1],
+            "sign_flips": flips, "n": n}
+
+
+def element_errors(ctx: Context) -> dict[int, dict[str, float]]:
+    """Per step-0 record with a sampled reference: its element-wise error (:func:`sample_error`)."""
+    out: dict[int, dict[str, float]] = {}
+    for r in ctx.records:
+        if r.step != 0:
+            break
+        ref = ctx.ref(r)
+        if ref is None:
+            continue
+        e = sample_error(r, ref)
+        if e is not None:
+            out[r.index] = e
+    return out
+
+
+def own_element_error(ctx: Context, r: OpRecord) -> tuple[float, float] | None:
+    """``(p50 of r, largest p50 of its inputs)``: what r adds is the difference."""
+    errs = ctx.element_errors
+    e = errs.get(r.index)
+    if e is None:
+        return None
+    ins = [i for i in r.inputs if i >= 0]
+    return e["p50"], max((errs[i]["p50"] for i in ins if i in errs), default=0.0)
+
+
+def element_loss_records(ctx: Context, skip: set[int]) -> list[tuple[OpRecord, float, float]]:
+    """Forward records of step 0 touching a low precision whose own median element error exceeds
+    :data:`ELEMENT_WARN`: ``(record, p50, inherited p50)``. Records computed from one in ``skip`` (already
+    explained) or from a flagged one are not flagged again."""
+    tainted = set(skip)
+    decided = bool(ctx.decision_changes)  # values picked by a changed decision (a gather) are explained by it
+    out: list[tuple[OpRecord, float, float]] = []
+    for r in ctx.records:
+        if r.step != 0:
+            break
+        if r.index in tainted or any(i in tainted for i in r.inputs) or decided and r.index_src:
+            tainted.add(r.index)
+            continue
+        if r.kind != "op" or r.phase != "forward" or op_base(r.op) in CASTS | ALIAS_OPS or r.out_pos > 0:
+            continue
+        if not is_low(r.dtype) and not any(dtype_name(d) in LOW for d in r.input_dtypes):
+            continue
+        if not [i for i in r.inputs if i >= 0]:
+            continue  # made from scratch (arange, full): nothing it could have lost
+        own = own_element_error(ctx, r)
+        if own is None:
+            continue
+        e, inh = own
+        if e - inh > ELEMENT_WARN:
+            out.append((r, e, inh))
+            tainted.add(r.index)
+    return out
+
+
+def _key(d: Any, counts: dict[tuple[Any, ...], int]) -> tuple[Any, ...]:
+    base = (d.phase, d.module, d.op, d.out_pos)
+    k = counts.get(base, 0)
+    counts[base] = k + 1
+    return (*base, k)
+
+
+def _rows(d: Any) -> list[tuple[int, ...]]:
+    """The decisions of ``d`` as rows: one index per element (argmax), a set (topk), an order (sort)."""
+    idx = d.indices
+    base = op_base(d.op)
+    width = d.shape[-1] if base in ("topk", "sort", "argsort") and d.shape else 1
+    rows = [tuple(idx[i:i + width]) for i in range(0, len(idx), width)]
+    return [tuple(sorted(r)) for r in rows] if base == "topk" else rows
+
+
+def decision_changes(ctx: Context) -> list[dict[str, Any]]:
+    """Decision ops whose choice differs from the reference in at least one row, in trace order."""
+    if ctx.reference is None:
+        return []
+    counts: dict[tuple[Any, ...], int] = {}
+    ref = {_key(d, counts): d for d in ctx.reference.trace.decisions}
+    counts = {}
+    out = []
+    for d in ctx.target.trace.decisions:
+        rd = ref.get(_key(d, counts))
+        if rd is None or d.indices is None or rd.indices is None or d.shape != rd.shape:
+            continue
+        a, b = _rows(d), _rows(rd)
+        changed = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+        if not changed:
+            continue
+        out.append({"decision": d, "changed_rows": changed, "rows": len(a),
+                    "examples": [{"row": i, "target": list(a[i]), "reference": list(b[i])} for i in changed[:5]],
+                    "ties_target": d.ties, "ties_reference": rd.ties})
+    return out
+
+
+def decision_source(ctx: Context, d: Any) -> OpRecord | None:
+    """The op a changed decision is blamed on: among the decision input and its op feeders (4 hops, through
+    views and casts) computed in a low precision, the one with the largest own element error (the first of them
+    when none is measured); the input itself when none is low precision."""
+    if not 0 <= d.input_index < len(ctx.records):
+        return None
+    start = ctx.records[d.input_index]
+    cands = [start, *feeders(ctx.records, start, 4)]
+    ops = [r for r in cands if r.kind == "op" and op_base(r.op) not in CASTS | ALIAS_OPS
+           and (is_low(r.dtype) or any(dtype_name(x) in LOW for x in r.input_dtypes))]
+    if not ops:
+        return start
+    def own(r: OpRecord) -> float:
+        o = own_element_error(ctx, r)
+        return -1.0 if o is None else o[0] - o[1]
+    best = max(ops, key=own)
+    return best if own(best) > 0 else ops[0]

@@ -1,0 +1,229 @@
+"""Element-wise sketches of traced tensors: a fixed sample of values per output, and decision ops' indices.
+
+Tensor norms and |max| hide element-wise damage (``sin`` of a badly rounded angle keeps its norm; an argmax can
+flip while the logits' norm agrees to 0.1%). The trace therefore keeps, per floating output of step 0, the
+values at :data:`SAMPLE` fixed positions -- the same positions in the target and the reference run, chosen by a
+generator seeded with the tensor's size (the global RNG is not touched) -- and, per decision op (argmax, topk,
+sort, ``max.dim``), its integer output (up to :data:`MAX_DECISION` elements) and the number of rows whose
+chosen value ties with the next candidate. Everything stays on the device until the step is read back.
+
+Cost: one gather of 64 elements per output (no copy of a non-contiguous tensor: the positions are turned into
+storage offsets once per shape and stride), and for a decision op one ``topk`` of its input.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ampdoctor.trace._ops import Kind, ops_with
+
+#: values sampled per output (all of them for smaller tensors)
+SAMPLE = 64
+#: ops whose integer output is a choice between values (argmax, topk, sort): kept for the reference comparison
+DECISIONS = ops_with(Kind.DECISION)
+#: integer outputs of decision ops kept exactly up to this many elements
+MAX_DECISION = 1 << 16
+
+
+class Sampler:
+    """Gathers :data:`SAMPLE` values of a tensor at fixed positions, as a float64 row (NaN-padded)."""
+
+    def __init__(self) -> None:
+        self._offsets: dict[tuple[Any, ...], tuple[torch.Tensor, int]] = {}
+
+    def _plan(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        key = (tuple(t.shape), t.stride(), t.device)
+        plan = self._offsets.get(key)
+        if plan is None:  # host arithmetic on Python ints: no tensor is read
+            n = t.numel()
+            pos = range(n) if n <= SAMPLE else sorted(random.Random(n).sample(range(n), SAMPLE))
+            offs = []
+            for p in pos:
+                off = 0
+                for size, stride in zip(reversed(t.shape), reversed(t.stride())):
+                    off += (p % size) * stride
+                    p //= size
+                offs.append(off)
+            plan = (torch.tensor(offs, dtype=torch.int64, device=t.device), max(offs, default=0) + 1)
+            self._offsets[key] = plan
+        return plan
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """``SAMPLE`` float64 values of ``t`` (NaN where it has fewer elements)."""
+        out = torch.full((SAMPLE,), math.nan, dtype=torch.float64, device=t.device)
+        if t.numel() == 0:
+            return out
+        off, span = self._plan(t)
+        flat = t.as_strided((span,), (1,), t.storage_offset())
+        out[: off.numel()] = flat[off].to(torch.float64)
+        return out
+
+
+@dataclass
+class Decision:
+    """One decision op's integer output: ``indices`` (host list after the read, ``None`` when too large),
+    ``rows`` (the decisions it makes: its output's elements along the decided dim collapsed), ``ties``
+    (rows whose chosen value equals the next candidate's in the input)."""
+
+    op: str
+    module: str
+    phase: str
+    step: int
+    input_index: int
+    out_pos: int
+    shape: tuple[int, ...]
+    k: int
+    device_indices: Any = None
+    device_ties: Any = None
+    indices: list[int] | None = None
+    ties: int | None = None
+    align: tuple[Any, ...] = field(default_factory=tuple)
+
+
+def _dim_k(base: str, args: Any, kwargs: Any, x: torch.Tensor) -> tuple[int | None, int]:
+    """The decided dimension (None: the whole flattened tensor) and how many winners each row picks."""
+    dim = kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], int) else None)
+    if base == "topk":
+        k = int(args[1] if len(args) > 1 else kwargs.get("k", 1))
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
+        return int(dim), k
+    if base in ("sort", "argsort"):
+        return int(-1 if dim is None else dim), x.shape[int(-1 if dim is None else dim)] if x.dim() else 1
+    return (None if dim is None else int(dim)), 1
+
+
+def make_decision(base: str, op: str, module: str, phase: str, step: int, input_index: int, out_pos: int,
+                  t: torch.Tensor, args: Any, kwargs: Any) -> Decision | None:
+    """Keep the integer output ``t`` of decision op ``base`` and count its ties (no host sync)."""
+    x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if x is None or not x.is_floating_point() or t.numel() > MAX_DECISION or x.numel() == 0:
+        return None
+    dim, k = _dim_k(base, args, kwargs, x)
+    d = Decision(op, module, phase, step, input_index, out_pos, tuple(t.shape), k, t.detach().clone())
+    if base not in ("sort", "argsort"):
+        v = x.detach().reshape(-1) if dim is None else x.detach()
+        if base in ("argmin", "min", "kthvalue") or (base == "topk" and not kwargs.get(
+                "largest", args[3] if len(args) > 3 else True)):
+            v = -v
+        dd = 0 if dim is None else dim
+        if v.shape[dd] > k:
+            top = v.topk(k + 1, dd).values
+            d.device_ties = (top.select(dd, k - 1) == top.select(dd, k)).sum()
+    return d
+
+
+class Sketches:
+    """What the recording mode keeps besides the statistics rows: samples by row, decisions in op order."""
+
+    def __init__(self, key: Any) -> None:
+        self._tensor_key = key  # the recording mode's tensor identity (storage, offset, shape, stride, dtype)
+        #: integer outputs (indices, ``.long()`` casts, comparisons) -> the floating records they were computed
+        #: from, so that an op that raises on an index (out of range) names its numeric source (no statistics)
+        self.int_src: dict[tuple[Any, ...], tuple[int, ...]] = {}
+        self.sampler = Sampler()
+        self.samples: dict[int, torch.Tensor] = {}
+        self.decisions: list[Decision] = []
+        self._decisions_read = 0
+        self._layout: dict[Any, tuple[list[int], list[Decision]]] = {}
+        self._got: dict[int, tuple[float, ...]] = {}
+
+    def index_sources(self, ins: list[torch.Tensor]) -> tuple[int, ...]:
+        """The floating records the integer tensors among ``ins`` were computed from."""
+        return tuple(i for x in ins if not x.is_floating_point()
+                     for i in self.int_src.get(self._tensor_key(x) or (), ()))
+
+    def error_inputs(self, in_idx: tuple[int, ...], ins: list[torch.Tensor]) -> list[int]:
+        """A failing op's input records; for an integer input (an index), the floating records it came from."""
+        return list(dict.fromkeys([i for i in in_idx if i >= 0] + list(self.index_sources(ins))))
+
+    def integer(self, t: torch.Tensor, names: tuple[str, str], module: str, phase: str, step: int,
+                in_idx: tuple[int, ...], ins: list[torch.Tensor], pos: int, args: Any, kwargs: Any) -> None:
+        """An integer output of a full-tier op: remember its sources; keep a step-0 decision's indices."""
+        self.int_output(t, in_idx, ins)
+        if names[1] in DECISIONS and step == 0:
+            self.decision(names[1], names[0], module, phase, in_idx, pos, t, args, kwargs)
+
+    def int_output(self, t: torch.Tensor, in_idx: tuple[int, ...], ins: list[torch.Tensor]) -> None:
+        """Remember the floating records an integer output came from (through integer ops too)."""
+        src = tuple(i for i in in_idx if i >= 0) or self.index_sources(ins)
+        key = self._tensor_key(t)
+        if key is not None and src:
+            self.int_src[key] = src[:8]
+
+    def sample(self, t: torch.Tensor, row: int, step: int, phase: str) -> None:
+        """Values at fixed positions of a step-0 forward/backward tensor (also in a headroom run: ``check`` uses
+        it as the diagnosis's reference)."""
+        if step != 0 or phase not in ("forward", "backward"):
+            return
+        try:
+            self.samples[row] = self.sampler.take(t)
+        except Exception:  # noqa: BLE001 - observation must not raise into user code (sparse, subclasses)
+            pass
+
+    def decision(self, base: str, op: str, module: str, phase: str, in_idx: tuple[int, ...], pos: int,
+                 t: torch.Tensor, args: Any, kwargs: Any) -> None:
+        try:
+            d = make_decision(base, op, module, phase, 0, in_idx[0] if in_idx else -1, pos, t, args, kwargs)
+        except Exception:  # noqa: BLE001 - observation must not raise into user code
+            d = None
+        if d is not None:
+            self.decisions.append(d)
+
+    def devices(self) -> set[Any]:
+        """Devices holding samples or decisions not read yet."""
+        return {v.device for v in self.samples.values()} | {
+            d.device_indices.device for d in self.decisions[self._decisions_read:] if d.device_indices is not None}
+
+    def read_rows(self, rows: list[Any], by_dev: dict[Any, list[int]], values: list[list[float]], base: int,
+                  records: list[Any]) -> None:
+        """Read the statistics rows of ``by_dev`` (tensor rows by device) into ``values`` together with the samples
+        and decisions on the same device (one transfer per device); ``records`` (those read now) get samples."""
+        row_ids = range(base, base + len(rows))
+        for dev in list(by_dev) + [d for d in self.devices() if d not in by_dev]:
+            idxs = by_dev.get(dev, [])
+            ncol = len(rows[idxs[0]]) if idxs else 0
+            parts = [torch.stack([rows[i] for i in idxs]).reshape(-1)] if idxs else []
+            flat = torch.cat(parts + [self.pack(dev, row_ids)]).cpu().tolist()
+            for j, i in enumerate(idxs):
+                values[i] = flat[j * ncol:(j + 1) * ncol]
+            self.unpack(dev, flat[len(idxs) * ncol:])
+        self.attach(records)
+
+    def pack(self, device: Any, rows: Any) -> torch.Tensor:
+        """The samples of ``rows`` and the unread decisions on ``device`` as one float64 vector, read back with
+        the statistics rows (the same transfer: one host read per device and step)."""
+        have = [r for r in rows if r in self.samples and self.samples[r].device == device]
+        decs = [d for d in self.decisions[self._decisions_read:]
+                if d.device_indices is not None and d.device_indices.device == device]
+        self._layout[device] = (have, decs)
+        parts = [self.samples.pop(r) for r in have]
+        parts += [d.device_indices.reshape(-1).to(torch.float64) for d in decs]  # exact below 2**53
+        parts += [(d.device_ties if d.device_ties is not None else torch.tensor(-1, device=device))
+                  .reshape(1).to(torch.float64) for d in decs]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
+
+    def unpack(self, device: Any, values: list[float]) -> None:
+        """Take back what :meth:`pack` put after the statistics (host floats)."""
+        have, decs = self._layout.pop(device, ([], []))
+        pos = 0
+        for r in have:
+            self._got[r], pos = tuple(values[pos:pos + SAMPLE]), pos + SAMPLE
+        for d in decs:
+            n = d.device_indices.numel()
+            d.indices, pos = [int(v) for v in values[pos:pos + n]], pos + n
+        for d in decs:
+            d.ties = None if values[pos] < 0 else int(values[pos])
+            pos += 1
+            d.device_indices = d.device_ties = None
+
+    def attach(self, records: list[Any]) -> None:
+        """Give the records just read their samples; the decisions made up to now are read."""
+        for r in records:
+            r.sample = self._got.get(r.row, ())  # aliases share their source's row, and its sample
+        self._got = {}
+        self._decisions_read = len(self.decisions)
