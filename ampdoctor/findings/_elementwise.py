@@ -31,6 +31,7 @@ ELEMENT_WARN = 0.25
 #: the relative-error floor is this fraction of the reference sample's RMS
 FLOOR = 1.0 / 16
 AMPLIFIERS = ops_with(Kind.PERIODIC) | ops_with(Kind.EXPONENTIAL)
+PICKS_K, ORDERS = ops_with(Kind.PICKS_K), ops_with(Kind.ORDERS)
 
 
 def sample_error(t: OpRecord, ref: OpRecord) -> dict[str, float] | None:
@@ -116,9 +117,9 @@ def _rows(d: Any) -> list[tuple[int, ...]]:
     """The decisions of ``d`` as rows: one index per element (argmax), a set (topk), an order (sort)."""
     idx = d.indices
     base = op_base(d.op)
-    width = d.shape[-1] if base in ("topk", "sort", "argsort") and d.shape else 1
+    width = d.shape[-1] if base in PICKS_K | ORDERS and d.shape else 1
     rows = [tuple(idx[i:i + width]) for i in range(0, len(idx), width)]
-    return [tuple(sorted(r)) for r in rows] if base == "topk" else rows
+    return [tuple(sorted(r)) for r in rows] if base in PICKS_K else rows
 
 
 def decision_changes(ctx: Context) -> list[dict[str, Any]]:

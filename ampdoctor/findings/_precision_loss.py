@@ -27,7 +27,9 @@ from ampdoctor.findings._crash import out_of_range_findings
 from ampdoctor.findings._elementwise import AMPLIFIERS, decision_source, element_loss_records
 from ampdoctor.findings._registry import Candidate, rule
 from ampdoctor.findings._types import Finding, FixProposal
-from ampdoctor.trace import OpRecord
+from ampdoctor.trace import Kind, OpRecord, ops_with
+
+PERIODIC = ops_with(Kind.PERIODIC)
 
 #: relative error above which precision-loss is a warning (below it: info)
 WARN_REL = 0.05
@@ -203,7 +205,7 @@ def _amplification(ctx: Context, r: OpRecord, inherited: float) -> tuple[dict[st
         return {}, ""
     a = max(x.stats.get("absmax", 0.0) for x in ins)
     err = a * max(inherited, unit_roundoff(ins[0].dtype))
-    unit = "radians of phase" if op_base(r.op) in ("sin", "cos") else "which exp turns into a relative error"
+    unit = "radians of phase" if op_base(r.op) in PERIODIC else "which exp turns into a relative error"
     return ({"argument_absmax": a, "argument_abs_error": err},
             f" {op_base(r.op)} amplifies its argument's error: arguments up to {fmt(a)} rounded to "
             f"{dtype_name(ins[0].dtype)} are off by about {fmt(err)} in absolute terms, {unit}"

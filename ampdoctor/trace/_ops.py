@@ -51,6 +51,9 @@ class Kind(enum.Enum):
     GEMM = "gemm"                    # a GEMM kernel below autograd (mm, addmm, convolution): accumulates K products
     EXPONENTIAL = "exponential"      # exp: an input's absolute error becomes the result's relative error
     DECISION = "decision"            # returns indices chosen by comparing values (argmax, topk, sort)
+    PICKS_SMALLEST = "picks_smallest"  # a decision for the smallest values (argmin, min, kthvalue)
+    PICKS_K = "picks_k"              # a decision for the k largest (topk): each row's choice is a set
+    ORDERS = "orders"                # a decision that orders a whole row (sort, argsort)
 
 
 class Reduces(enum.Enum):
@@ -329,6 +332,11 @@ declare("_fused_rms_norm", literals=_lits(("eps", 3, R.EPS)))
 for _n in ("native_batch_norm", "_native_batch_norm_legit", "batch_norm"):
     declare(_n, literals=_lits(("eps", 7, R.EPS)))
 declare("_native_batch_norm_legit_no_training", literals=_lits(("eps", 6, R.EPS)))
-for _n in ("argmax", "argmin", "topk", "sort", "argsort", "max", "min", "kthvalue"):
+for _n in ("argmax", "max"):
     declare(_n, K.DECISION)
+for _n in ("argmin", "min", "kthvalue"):
+    declare(_n, K.DECISION, K.PICKS_SMALLEST)
+declare("topk", K.DECISION, K.PICKS_K)
+for _n in ("sort", "argsort"):
+    declare(_n, K.DECISION, K.ORDERS)
 del _n, K, R, F, IN, FP32

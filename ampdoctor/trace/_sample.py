@@ -26,6 +26,7 @@ from ampdoctor.trace._ops import Kind, ops_with
 SAMPLE = 64
 #: ops whose integer output is a choice between values (argmax, topk, sort): kept for the reference comparison
 DECISIONS = ops_with(Kind.DECISION)
+_SMALLEST, _PICKS_K, _ORDERS = ops_with(Kind.PICKS_SMALLEST), ops_with(Kind.PICKS_K), ops_with(Kind.ORDERS)
 #: integer outputs of decision ops kept exactly up to this many elements
 MAX_DECISION = 1 << 16
 
@@ -88,11 +89,11 @@ class Decision:
 def _dim_k(base: str, args: Any, kwargs: Any, x: torch.Tensor) -> tuple[int | None, int]:
     """The decided dimension (None: the whole flattened tensor) and how many winners each row picks."""
     dim = kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], int) else None)
-    if base == "topk":
+    if base in _PICKS_K:
         k = int(args[1] if len(args) > 1 else kwargs.get("k", 1))
         dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
         return int(dim), k
-    if base in ("sort", "argsort"):
+    if base in _ORDERS:
         return int(-1 if dim is None else dim), x.shape[int(-1 if dim is None else dim)] if x.dim() else 1
     return (None if dim is None else int(dim)), 1
 
@@ -105,9 +106,9 @@ def make_decision(base: str, op: str, module: str, phase: str, step: int, input_
         return None
     dim, k = _dim_k(base, args, kwargs, x)
     d = Decision(op, module, phase, step, input_index, out_pos, tuple(t.shape), k, t.detach().clone())
-    if base not in ("sort", "argsort"):
+    if base not in _ORDERS:
         v = x.detach().reshape(-1) if dim is None else x.detach()
-        if base in ("argmin", "min", "kthvalue") or (base == "topk" and not kwargs.get(
+        if base in _SMALLEST or (base in _PICKS_K and not kwargs.get(
                 "largest", args[3] if len(args) > 3 else True)):
             v = -v
         dd = 0 if dim is None else dim
