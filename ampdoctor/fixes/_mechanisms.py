@@ -27,7 +27,6 @@ from ampdoctor.fixes._scope import LOW_DTYPES, _fname, _get_module, _install_sco
 from ampdoctor.trace import Kind, Role, op_info, ops_with, ops_with_literal, torch_names
 
 _SOFTMAX = ops_with(Kind.SOFTMAX) & ops_with(Kind.BOUNDED)
-_LOG = {"log", "log_"}
 #: ops that add a literal to a tensor (or bound it from below by one): where an eps is applied (the op registry's)
 _EPS_FUNCS = torch_names(ops_with_literal(Role.ADDEND) | {
     n for n in ops_with_literal(Role.BOUND) if any(lit.name == "min" for lit in op_info(n).literals)})

@@ -102,12 +102,6 @@ _CUDA_BANNED = _ops("binary_cross_entropy")
 #: Registered only in builds with cuDNN (``aten/src/ATen/cudnn/AutocastRNN.cpp``), so absent from a CPU dispatcher.
 CUDA_CUDNN_ONLY: frozenset[str] = frozenset({"_cudnn_rnn"})
 
-CUDA_LOWER_PRECISION_FP: frozenset[str] = frozenset(_CUDA_LOWER)
-CUDA_FP32: frozenset[str] = frozenset(_CUDA_FP32)
-CUDA_FP32_SET_OPT_DTYPE: frozenset[str] = frozenset(_CUDA_FP32_SET_OPT_DTYPE)
-CUDA_FP32_APPEND_DTYPE: frozenset[str] = frozenset(_CUDA_FP32_APPEND_DTYPE)
-CUDA_PROMOTE: frozenset[str] = frozenset(_CUDA_PROMOTE)
-CUDA_BANNED: frozenset[str] = frozenset(_CUDA_BANNED)
 
 # --- CPU (AutocastCPU), spelled out in autocast_mode.cpp ------------------------------------------------------------
 
@@ -138,9 +132,6 @@ _CPU_FP32 = _ops(
 )
 _CPU_PROMOTE = _ops("stack", "cat", "index_copy")
 
-CPU_LOWER_PRECISION_FP: frozenset[str] = frozenset(_CPU_LOWER)
-CPU_FP32: frozenset[str] = frozenset(_CPU_FP32)
-CPU_PROMOTE: frozenset[str] = frozenset(_CPU_PROMOTE)
 
 
 def _by_policy(*groups: tuple[str, dict[str, frozenset[str]]]) -> tuple[Mapping[str, str], Mapping[str, frozenset]]:

@@ -6,7 +6,6 @@ strings ``"inf"``, ``"-inf"`` and ``"nan"``. Everything here accepts missing key
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -289,11 +288,3 @@ def scale_text(summary: Mapping[str, Any]) -> str:
         span = f"{fmt_num(known[0])} -> {fmt_num(known[-1])}"
     steps = f"{len(scales)} step{'' if len(scales) == 1 else 's'}"
     return f"{span} after {steps}{skipped_text}"
-
-
-def safe_json_for_script(value: Any) -> str:
-    """JSON that can sit inside ``<script>``: ``<``, ``>``, ``&`` and line separators become ``\\uXXXX`` escapes."""
-    text = json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
-    for ch, esc in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
-        text = text.replace(ch, esc)
-    return text
