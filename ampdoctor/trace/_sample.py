@@ -13,7 +13,6 @@ storage offsets once per shape and stride), and for a decision op one ``topk`` o
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +31,7 @@ MAX_DECISION = 1 << 16
 
 
 class Sampler:
-    """Gathers :data:`SAMPLE` values of a tensor at fixed positions, as a float64 row (NaN-padded)."""
+    """Gathers up to :data:`SAMPLE` values of a tensor at fixed positions (the same positions for the same shape)."""
 
     def __init__(self) -> None:
         self._offsets: dict[tuple[Any, ...], tuple[torch.Tensor, int]] = {}
@@ -54,15 +53,12 @@ class Sampler:
             self._offsets[key] = plan
         return plan
 
-    def take(self, t: torch.Tensor) -> torch.Tensor:
-        """``SAMPLE`` float64 values of ``t`` (NaN where it has fewer elements)."""
-        out = torch.full((SAMPLE,), math.nan, dtype=torch.float64, device=t.device)
+    def take(self, t: torch.Tensor) -> torch.Tensor | None:
+        """Up to ``SAMPLE`` values of ``t`` in its own dtype (one gather; converted when read, by dtype group)."""
         if t.numel() == 0:
-            return out
+            return None
         off, span = self._plan(t)
-        flat = t.as_strided((span,), (1,), t.storage_offset())
-        out[: off.numel()] = flat[off].to(torch.float64)
-        return out
+        return t.as_strided((span,), (1,), t.storage_offset())[off]
 
 
 @dataclass
@@ -130,7 +126,7 @@ class Sketches:
         self.samples: dict[int, torch.Tensor] = {}
         self.decisions: list[Decision] = []
         self._decisions_read = 0
-        self._layout: dict[Any, tuple[list[int], list[Decision]]] = {}
+        self._layout: dict[Any, tuple[list[tuple[int, int]], list[Decision]]] = {}
         self._got: dict[int, tuple[float, ...]] = {}
 
     def index_sources(self, ins: list[torch.Tensor]) -> tuple[int, ...]:
@@ -162,7 +158,9 @@ class Sketches:
         if step != 0 or phase not in ("forward", "backward"):
             return
         try:
-            self.samples[row] = self.sampler.take(t)
+            v = self.sampler.take(t)
+            if v is not None:
+                self.samples[row] = v
         except Exception:  # noqa: BLE001 - observation must not raise into user code (sparse, subclasses)
             pass
 
@@ -198,11 +196,16 @@ class Sketches:
     def pack(self, device: Any, rows: Any) -> torch.Tensor:
         """The samples of ``rows`` and the unread decisions on ``device`` as one float64 vector, read back with
         the statistics rows (the same transfer: one host read per device and step)."""
-        have = [r for r in rows if r in self.samples and self.samples[r].device == device]
+        groups: dict[Any, list[int]] = {}
+        for r in rows:
+            v = self.samples.get(r)
+            if v is not None and v.device == device:
+                groups.setdefault(v.dtype, []).append(r)
+        have = [(r, self.samples[r].numel()) for g in groups.values() for r in g]
         decs = [d for d in self.decisions[self._decisions_read:]
                 if d.device_indices is not None and d.device_indices.device == device]
         self._layout[device] = (have, decs)
-        parts = [self.samples.pop(r) for r in have]
+        parts = [torch.cat([self.samples.pop(r) for r in g]).to(torch.float64) for g in groups.values()]
         parts += [d.device_indices.reshape(-1).to(torch.float64) for d in decs]  # exact below 2**53
         parts += [(d.device_ties if d.device_ties is not None else torch.tensor(-1, device=device))
                   .reshape(1).to(torch.float64) for d in decs]
@@ -212,8 +215,8 @@ class Sketches:
         """Take back what :meth:`pack` put after the statistics (host floats)."""
         have, decs = self._layout.pop(device, ([], []))
         pos = 0
-        for r in have:
-            self._got[r], pos = tuple(values[pos:pos + SAMPLE]), pos + SAMPLE
+        for r, n in have:
+            self._got[r], pos = tuple(values[pos:pos + n]), pos + n
         for d in decs:
             n = d.device_indices.numel()
             d.indices, pos = [int(v) for v in values[pos:pos + n]], pos + n
