@@ -46,6 +46,12 @@ NOTES = {
                "to type c10::BFloat16 without overflow\" under plain torch.autocast (no ampdoctor): its attention "
                "masks fp16/bf16 scores with torch.finfo(float32).min. The crash pre-empts every injected fault in "
                "an autocast run of this family.",
+    "longt5": "not a false alarm (checked by hand without ampdoctor): under plain torch.autocast(fp16) transformers "
+              "5.24's LongT5 local attention gives NaN gradients in shared.weight and the attention's k, v and "
+              "relative_attention_bias (loss finite, fp32 clean): `scores += position_bias` writes the mask's -1e10 "
+              "into fp16 scores (-inf), and the padded query rows of the 128-token block are then fully masked, so "
+              "their softmax is NaN; the rows are sliced off in forward but the NaN comes back through softmax's "
+              "backward (0 * NaN).",
 }
 log = logging.getLogger("zoo")
 
