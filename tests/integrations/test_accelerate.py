@@ -94,3 +94,41 @@ def test_accelerate_default_replay_names_module_and_op(scale: float) -> None:
     first = r.findings[0]
     assert (first.code, first.module, first.op, first.phase) == ("overflow", "body", "aten.addmm.default",
                                                                  "forward"), r.findings
+
+
+def make_net() -> Net:
+    """``--factory`` for the replay below: the architecture (its weights come from the reproducer)."""
+    return Net()
+
+
+def test_ampdoctor_replay_of_an_accelerate_reproducer(tmp_path) -> None:
+    """The reproducer of an accelerate loop (fp16 weights, body's output past 65504) replays from the file with
+    ``ampdoctor replay FILE.pt --factory ...`` and names the same module and op as the in-process replay."""
+    import json
+
+    from click.testing import CliRunner
+
+    from ampdoctor.cli import main
+
+    torch.manual_seed(0)
+    acc = accelerate.Accelerator(cpu=True)
+    model = Net()
+    with torch.no_grad():
+        model.body.weight.mul_(3e4)
+    model, opt = acc.prepare(model.half(), torch.optim.SGD(model.parameters(), lr=1e-3))
+    g = torch.Generator().manual_seed(1)
+    with watch_accelerator(acc, model, opt, reproducer_dir=str(tmp_path / "repro")) as w:
+        loss = model((torch.randn(4, 8, generator=g) * 50).half()).float().pow(2).mean()
+        acc.backward(loss)
+        w.step(loss)
+        opt.step()
+        opt.zero_grad()
+    files = sorted((tmp_path / "repro").iterdir())
+    assert files, "no reproducer written"
+    factory = "tests.integrations.test_accelerate:make_net"
+    res = CliRunner().invoke(main, ["replay", str(files[0]), "--factory", factory, "--json", str(tmp_path / "r.json")])
+    assert res.exit_code == 1, res.output
+    first = json.loads((tmp_path / "r.json").read_text())["findings"][0]
+    assert (first["code"], first["module"], first["op"]) == ("overflow", "body", "aten.addmm.default")
+    live = w.report().findings[0]
+    assert (live.module, live.op) == (first["module"], first["op"])
