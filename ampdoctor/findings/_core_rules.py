@@ -21,6 +21,8 @@ from ampdoctor.findings._common import (
     where,
 )
 from ampdoctor.findings._context import Context, nan_record, reference_nonfinite
+from ampdoctor.findings._fp8_casts import clip_candidates as fp8_clip_candidates
+from ampdoctor.findings._fp8_casts import handled as fp8_handled
 from ampdoctor.findings._poles import flushed_pole_input
 from ampdoctor.findings._registry import RUN_END, SETUP_CRASH, SETUP_CRASHED_COVERAGE, SETUP_INPUT, Candidate, rule
 from ampdoctor.findings._remedies import propose
@@ -82,13 +84,16 @@ def overflow(ctx: Context) -> list[Candidate]:
     ``pow(x, 3)``) is blamed on the module whose own code runs it, backward ops on the module that ran
     their forward op. A registered buffer that the model cast already made inf (a mask of
     ``torch.finfo(torch.float32).min`` stored in fp16) is the origin itself: phase ``setup``, its owning module,
-    ranked before what it feeds when that turns harmful (a ``warning`` otherwise)."""
-    out: list[Candidate] = []
+    ranked before what it feeds when that turns harmful (a ``warning`` otherwise). A user's unscaled fp8 cast
+    beyond max + half a spacing is one too (``findings/_fp8_casts``)."""
+    out: list[Candidate] = fp8_clip_candidates(ctx, "overflow")  # the user's own unscaled fp8 casts
+    fp8_done = fp8_handled(ctx)
     for o in ctx.harmful_origins():
         r = o.record
         s = r.stats
         n_inf = int(s["n_posinf"] + s["n_neginf"])
-        if o.deliberate or r.kind != "op" or n_inf == 0 or _out_of_range_constant(ctx, r) is not None:
+        if o.deliberate or r.kind != "op" or n_inf == 0 or r.index in fp8_done or _out_of_range_constant(
+                ctx, r) is not None:
             continue
         if reference_nonfinite(ctx, r) or flushed_pole_input(ctx, r) is not None:
             continue  # fp32 makes it too (nonfinite-reference), or log(0) of flushed zeros (underflow upstream)

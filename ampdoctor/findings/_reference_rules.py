@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ampdoctor.findings._common import base_evidence, dtype_name, fmt, op_base, where
+from ampdoctor.findings._common import CASTS, base_evidence, dtype_name, fmt, op_base, where
 from ampdoctor.findings._context import Context
+from ampdoctor.findings._fp8_casts import FP8
 from ampdoctor.findings._registry import Candidate, rule
 from ampdoctor.findings._types import Finding, FixProposal
 from ampdoctor.trace import OpRecord
@@ -61,6 +62,8 @@ def nonfinite_reference(ctx: Context) -> list[Candidate]:
         r = recs[o]
         if r.kind != "op" or any(math.isinf(v) for v in r.scalars):
             continue
+        if dtype_name(r.dtype) in FP8 and op_base(r.op) in CASTS:
+            continue  # the user's own fp8 cast runs in fp32 too: judged by its input (findings/_fp8_casts.py)
         chain = [o, *lin.descendants.get(o, [])]
         why = _reaches(recs, chain, protected)
         if why is None:

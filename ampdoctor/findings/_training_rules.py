@@ -9,6 +9,7 @@ import torch
 
 from ampdoctor.findings._common import HALF, base_evidence, bf16_fix, dtype_name, fmt, limits, op_base, where
 from ampdoctor.findings._context import Context
+from ampdoctor.findings._fp8_casts import clip_candidates
 from ampdoctor.findings._registry import RUN_END, RUN_FP8_SCALES, RUN_PARAMS, SETUP_CRASH, Candidate, Order, rule
 from ampdoctor.findings._types import Finding, FixProposal
 from ampdoctor.trace import DTYPES, OpRecord, dtype_info
@@ -211,8 +212,12 @@ def fp8_scale(ctx: Context) -> list[Candidate]:
     """fp8 tensors carry a scale: ``scale = amax / fp8_max`` (or its inverse). An all-zero tensor (a LoRA B
     initialised to zeros, a zero-padded row) has amax 0, so the scale is 0 and ``x / scale = 0 / 0 = NaN``;
     a delayed scale computed from an amax history below the current amax saturates values at the format
-    max (448 for e4m3). Real recipes floor amax (e.g. 1e-12) and use a margin."""
-    out: list[Candidate] = _emulated_fp8(ctx)
+    max (448 for e4m3). Real recipes floor amax (e.g. 1e-12) and use a margin. Any cast to a float8 dtype in
+    the user's own code (``(x * s).to(f8)``, ``x / s``, the operands of ``torch._scaled_mm``) whose scaled input
+    exceeds the format's max plus half its spacing is this error at the cast; evidence: ``amax`` (of the data
+    before the scale), ``scale``, ``scale_applied_as`` (mul/div), ``scaled_absmax``, ``fitting_scale`` (fmax /
+    amax), ``n_clipped``, ``out_of_range_becomes`` (saturated, inf or NaN, as the output shows), ``consumer``."""
+    out: list[Candidate] = _emulated_fp8(ctx) + clip_candidates(ctx, "fp8-scale")  # + the user's own fp8 casts
     recs = ctx.records
     for o in ctx.harmful_origins():
         r = o.record

@@ -20,6 +20,7 @@ from ampdoctor.findings._common import (
     where,
 )
 from ampdoctor.findings._context import Context
+from ampdoctor.findings._fp8_casts import flush_candidates, without_fp8_casts
 from ampdoctor.findings._graph import (
     alias_closure,
     ancestors,
@@ -62,11 +63,12 @@ def underflow(ctx: Context) -> list[Candidate]:
     floor are evidence, not the origin. An inf/NaN made by dividing by such zeros (``m / (sqrt(0) + 0)``, 0/0)
     has this underflow as its root cause. Severity ``error`` when it zeroes the gradient of parameters (all-zero
     in the target, not in the reference), the loss, or feeds an inf/NaN that reaches the loss, a gradient or an
-    update; ``warning`` otherwise. A buffer the model cast flushed (tiny variances) is a ``setup`` origin (owner)."""
-    out: list[Candidate] = []
-    origins = ctx.underflow_origins
+    update; ``warning`` otherwise. A buffer the model cast flushed (tiny variances) is a ``setup`` origin (owner).
+    A user's fp8 cast flushing most values is an error (``amax``, ``scale``)."""
+    out: list[Candidate] = flush_candidates(ctx)  # the user's own fp8 casts, with their scale
+    origins = without_fp8_casts(ctx, ctx.underflow_origins)
     if not origins:
-        return _pole_candidates(ctx) + buffer_candidates(ctx, "flushed")
+        return out + _pole_candidates(ctx) + buffer_candidates(ctx, "flushed")
     recs = ctx.records
     harmful_anc: dict[int, set[int]] = {o.record.index: ancestors(ctx, o.record.index)
                                         for o in ctx.harmful_origins()}
