@@ -54,6 +54,7 @@ class Kind(enum.Enum):
     PICKS_SMALLEST = "picks_smallest"  # a decision for the smallest values (argmin, min, kthvalue)
     PICKS_K = "picks_k"              # a decision for the k largest (topk): each row's choice is a set
     ORDERS = "orders"                # a decision that orders a whole row (sort, argsort)
+    CLIPS = "clips"                  # replaces out-of-range or non-finite values (clamp, nan_to_num, where): a guard
 
 
 class Reduces(enum.Enum):
@@ -319,13 +320,15 @@ declare("full", literals=_lits(("fill_value", 1, R.FILL)))
 declare("new_full", literals=_lits(("fill_value", 2, R.FILL)))
 for _n in ("index_fill", "index_fill_"):
     declare(_n, literals=_lits(("value", 3, R.FILL)))
-declare("where", literals=_lits(("self", 1, R.FILL), ("other", 2, R.FILL)))
+declare("where", K.CLIPS, literals=_lits(("self", 1, R.FILL), ("other", 2, R.FILL)))
 for _n in ("clamp", "clamp_", "clip", "clip_"):
-    declare(_n, literals=_lits(("min", 1, R.BOUND), ("max", 2, R.BOUND)))
+    declare(_n, K.CLIPS, literals=_lits(("min", 1, R.BOUND), ("max", 2, R.BOUND)))
 for _n in ("clamp_min", "clamp_min_"):
-    declare(_n, literals=_lits(("min", 1, R.BOUND)))
+    declare(_n, K.CLIPS, literals=_lits(("min", 1, R.BOUND)))
 for _n in ("clamp_max", "clamp_max_"):
-    declare(_n, literals=_lits(("max", 1, R.BOUND)))
+    declare(_n, K.CLIPS, literals=_lits(("max", 1, R.BOUND)))
+for _n in ("nan_to_num", "nan_to_num_", "hardtanh", "hardtanh_"):
+    declare(_n, K.CLIPS)
 declare("native_layer_norm", reduces=Reduces.ROW, literals=_lits(("eps", 4, R.EPS)))
 declare("native_group_norm", reduces=Reduces.ROW, literals=_lits(("eps", 7, R.EPS)))
 declare("_fused_rms_norm", literals=_lits(("eps", 3, R.EPS)))
