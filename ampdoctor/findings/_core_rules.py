@@ -7,6 +7,8 @@ import math
 from typing import Any
 
 from ampdoctor.findings._buffer_origins import buffer_candidates
+from ampdoctor.findings._clamps import caught_candidates
+from ampdoctor.findings._clamps import handled as caught_handled
 from ampdoctor.findings._common import (
     base_evidence,
     bf16_fix,
@@ -23,6 +25,7 @@ from ampdoctor.findings._common import (
 from ampdoctor.findings._context import Context, nan_record, reference_nonfinite
 from ampdoctor.findings._fp8_casts import clip_candidates as fp8_clip_candidates
 from ampdoctor.findings._fp8_casts import handled as fp8_handled
+from ampdoctor.findings._literals import rounded_literal_candidates
 from ampdoctor.findings._poles import flushed_pole_input
 from ampdoctor.findings._registry import RUN_END, SETUP_CRASH, SETUP_CRASHED_COVERAGE, SETUP_INPUT, Candidate, rule
 from ampdoctor.findings._remedies import propose
@@ -86,8 +89,8 @@ def overflow(ctx: Context) -> list[Candidate]:
     ``torch.finfo(torch.float32).min`` stored in fp16) is the origin itself: phase ``setup``, its owning module,
     ranked before what it feeds when that turns harmful (a ``warning`` otherwise). A user's unscaled fp8 cast
     beyond max + half a spacing is one too (``findings/_fp8_casts``)."""
-    out: list[Candidate] = fp8_clip_candidates(ctx, "overflow")  # the user's own unscaled fp8 casts
-    fp8_done = fp8_handled(ctx)
+    out: list[Candidate] = fp8_clip_candidates(ctx, "overflow") + caught_candidates(ctx, _overflow_fixes)  # fp8, guards
+    fp8_done = fp8_handled(ctx) | caught_handled(ctx)
     for o in ctx.harmful_origins():
         r = o.record
         s = r.stats
@@ -245,7 +248,14 @@ def masked_row_nan(ctx: Context) -> list[Candidate]:
 def constant_out_of_range(ctx: Context) -> list[Candidate]:
     """A constant written into a low-precision tensor is outside its range: ``masked_fill(mask, -1e9)`` on
     fp16 raises "value cannot be converted to type c10::Half without overflow"; ``x[mask] = -1e9`` silently
-    stores -inf. The cause is the literal, not the data: use ``torch.finfo(x.dtype).min``."""
+    stores -inf. The cause is the literal, not the data: use ``torch.finfo(x.dtype).min``. Also a literal that is
+    0 in the dtype (``x + 1e-10`` in fp16), one that is not ±1 but becomes exactly ±1 (``clamp(y, -1 + 1e-6,
+    1 - 1e-6)`` in fp16 lets tanh's ±1 reach ``atanh``), and an offset that rounds away against the values it meets
+    (``x + 1e-4`` on values >= 1 in bf16: the result equals ``x`` where fp32's does not). Error when the value it
+    should have changed feeds a harmful inf/NaN -- the literal then precedes that symptom as its root cause --
+    warning otherwise. Evidence: ``constant``, ``constant_in_dtype``, ``mechanism`` (rounded / no-op),
+    ``consequence``."""
+    # long: the docstring is this code's entry in docs/codes.md; the body is two short loops
     out: list[Candidate] = []
     err = ctx.target.trace.error
     if err is not None and "without overflow" in err.get("message", ""):
@@ -294,7 +304,7 @@ def constant_out_of_range(ctx: Context) -> list[Candidate]:
             "constant-out-of-range", "error", r.module, r.op, r.phase,
             f"literal {v:g} overflows {dtype_name(r.dtype)} in {r.module or '<root>'}", expl, ev,
             (_finfo_fix(r.module),), r.step), r.index))
-    out.extend(_flushed_literal_candidates(ctx))
+    out.extend(_flushed_literal_candidates(ctx) + rounded_literal_candidates(ctx))
     return out
 
 

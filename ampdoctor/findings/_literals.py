@@ -1,22 +1,53 @@
-"""Literal constants that do not survive the dtype they are written into: a small ``eps`` that flushes to 0.
+"""Literal constants that do not survive the dtype they are written into.
 
 Read by the ``constant-out-of-range`` rule. The decision uses the literal's value, the record's dtype and the
-reference comparison only: the op adds (or subtracts) a Python number that rounds to 0 in the record's dtype,
-and the record holds zeros where the fp32 reference holds the literal's value.
+reference comparison only:
+
+* *flushed*: the op adds (or subtracts) a Python number that rounds to 0 in the record's dtype, and the record holds
+  zeros where the fp32 reference holds the literal's value;
+* *rounded onto ±1*: a literal that is not ±1 becomes exactly ±1 in the dtype (``1 - 1e-6`` in fp16, ``1 - 1e-4`` in
+  bf16), so a clamp bound meant to keep values off ±1 lets ±1 through (``atanh(1) = inf``, ``log(1 - 1) = -inf``);
+* *no-op*: ``x + c`` whose result equals ``x`` in the dtype (every |x| is beyond ``|c| / u``: ``x + 1e-4`` on values
+  ~1 in bf16) while the fp32 reference changes.
+
+A literal is a Python number the op receives (``.Scalar`` overloads, and numbers in arithmetic, which reach the
+dispatcher as numbers) or a one-element leaf tensor (``torch.tensor(eps)``, a 0-dim wrapped number).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-from ampdoctor.findings._common import LOW, dtype_name, feeders, limits
+from ampdoctor.findings._common import (
+    LOW,
+    base_evidence,
+    counts_known,
+    dtype_name,
+    feeders,
+    fmt,
+    limits,
+    op_base,
+    spacing_below_one,
+    src_text,
+    where,
+)
 from ampdoctor.findings._context import Context
-from ampdoctor.trace import OpRecord, Role
+from ampdoctor.findings._registry import Candidate
+from ampdoctor.findings._types import Finding, FixProposal
+from ampdoctor.trace import Kind, OpRecord, Role, op_info, ops_with
 
 #: literal roles whose flush to 0 removes an offset (an eps added, a clamp floor); read from the op registry
 ADDITIVE = frozenset({Role.ADDEND, Role.BOUND})
+#: literal roles that move values by a fixed amount, bound or scale them: a literal rounded onto ±1 there changes
+#: the result (a bound lets ±1 through, a factor multiplies by 1)
+SHIFTS = frozenset({Role.ADDEND, Role.BOUND, Role.FACTOR})
+#: ops whose result is ``x`` moved by a literal: a no-op when the literal rounds away against every |x|
+OFFSETS = frozenset({"add", "sub", "add_", "sub_"})
+CLIP_OPS = ops_with(Kind.CLIPS)
+_STAT_KEYS = ("absmax", "norm", "n_zero", "min_nonzero", "numel")
 
 
 def in_dtype(v: float, dtype: str) -> float:
@@ -61,4 +92,112 @@ def flushed_literal_evidence(ctx: Context, r: OpRecord, lit: float, ref_zero: fl
             "n_zero": zero, "ref_n_zero": int(ref_zero)}
 
 
-__all__ = ["feeds_harm", "flushed_literal_evidence", "flushed_literals", "in_dtype"]
+def literals_of(ctx: Context, r: OpRecord, roles: frozenset[Role]) -> list[float]:
+    """The literals of ``roles`` that ``r`` reads: its Python numbers in those places (the op registry), and the
+    values of one-element leaf tensors among its inputs when the op declares such a literal."""
+    out = [v for lit, v in r.literals if lit.role in roles]
+    if not any(lit.role in roles for lit in op_info(op_base(r.op)).literals):
+        return [v for v in out if math.isfinite(v)]
+    for i in r.inputs:
+        x = ctx.records[i] if i >= 0 else None
+        if x is not None and x.kind == "input" and x.stats.get("numel") == 1 and not x.shape:
+            out.append(x.stats.get("absmax", math.nan))
+    return [v for v in out if math.isfinite(v)]
+
+
+def rounded_to_one(ctx: Context) -> list[tuple[OpRecord, float, OpRecord | None]]:
+    """``(record, literal, harmful origin it feeds)``: a literal that is not ±1 but is exactly ±1 in the record's low
+    dtype, where it matters: it feeds a harmful inf/NaN, or (a clamp) the target lets ±1 through and fp32 does not."""
+    out: list[tuple[OpRecord, float, OpRecord | None]] = []
+    for r in ctx.records:
+        dt = dtype_name(r.dtype)
+        if r.kind != "op" or dt not in LOW:
+            continue
+        lits = [v for v in literals_of(ctx, r, SHIFTS) if abs(v) != 1 and abs(in_dtype(v, dt)) == 1.0]
+        if not lits:
+            continue
+        harm = feeds_harm(ctx, r)
+        ref = ctx.ref(r)
+        lets_one = op_base(r.op) in CLIP_OPS and ref is not None and r.stats.get("absmax") == 1.0 \
+            and ref.stats.get("absmax", 1.0) < 1.0
+        if harm is not None or lets_one:
+            out.append((r, lits[0], harm))
+    return out
+
+
+def noop_literals(ctx: Context) -> list[tuple[OpRecord, float, OpRecord | None]]:
+    """``(record, literal, harmful origin it feeds)``: ``x + c`` / ``x - c`` with ``c`` nonzero in the low dtype whose
+    result is ``x`` unchanged (identical statistics) while the fp32 reference's result differs from its input."""
+    out: list[tuple[OpRecord, float, OpRecord | None]] = []
+    recs = ctx.records
+    for r in recs:
+        dt = dtype_name(r.dtype)
+        if r.kind != "op" or dt not in LOW or op_base(r.op) not in OFFSETS:
+            continue
+        lits = [v for v in literals_of(ctx, r, frozenset({Role.ADDEND})) if v != 0 and in_dtype(v, dt) != 0.0]
+        src = next((recs[i] for i in r.inputs if i >= 0 and recs[i].shape == r.shape), None)
+        if not lits or src is None or any(r.stats.get(k) != src.stats.get(k) for k in _STAT_KEYS):
+            continue
+        ref, ref_src = ctx.ref(r), ctx.ref(src)
+        if ref is None or ref_src is None or not ref_src.stats.get("norm"):
+            continue
+        if abs(ref.stats.get("norm", 0.0) - ref_src.stats["norm"]) <= 4 * 2.0 ** -24 * ref_src.stats["norm"]:
+            continue  # fp32 does not move the values either: the literal is negligible by design
+        out.append((r, lits[0], feeds_harm(ctx, r)))
+    return out
+
+
+def _explain(ctx: Context, r: OpRecord, lit: float, harm: OpRecord | None, what: str) -> tuple[str, dict[str, Any]]:
+    dt = dtype_name(r.dtype)
+    ev = base_evidence(r)
+    ev.update({"constant": lit, "constant_in_dtype": in_dtype(lit, dt), "mechanism": what,
+               "spacing_below_1": spacing_below_one(dt)})
+    at = f" [{src_text(r)}]" if r.src else ""
+    val = f"the literal {lit:.7g}, which is {in_dtype(lit, dt):g} in {dt}"
+    if what == "rounded":
+        expl = (f"{where(r)}{at} uses {val} ({dt} holds nothing between 1 - {fmt(spacing_below_one(dt))} and 1): "
+                "a bound meant to keep values off ±1 lets ±1 through.")
+    else:
+        ref = ctx.ref(r)
+        ev["absmax"] = r.stats.get("absmax")
+        expl = (f"{where(r)}{at} adds {val}, but against values up to |{fmt(r.stats.get('absmax', math.nan))}| it "
+                f"rounds away: the result equals the input exactly in {dt}, where the fp32 reference changes "
+                f"(|max| {fmt(ref.stats['absmax']) if ref is not None else '?'}); the op is a no-op.")
+    if harm is not None:
+        ev["consequence"] = ctx.describe(harm)
+        expl += f" The values it should have changed then make inf/NaN at {where(harm)}."
+    return expl, ev
+
+
+def _fixes(r: OpRecord, what: str) -> tuple[FixProposal, ...]:
+    if what == "rounded":
+        return (FixProposal("write the bound in the tensor's dtype: 1 - finfo(dtype).eps is below 1 in every format",
+                            "one = 1 - torch.finfo(x.dtype).eps  # fp16: 0.999; bf16: 0.992\n"
+                            "x = x.clamp(-one, one)"),
+                FixProposal(f"compute `{r.module or '<root>'}` in float32 (the bound survives there)", "",
+                            id="keep_fp32", params={"modules": [r.module]} if r.module else {}))
+    return (FixProposal("scale the literal to the dtype's resolution at the values it meets",
+                        "x = x + torch.finfo(x.dtype).eps * x.abs().clamp_min(1)  # or compute this in float32"),
+            FixProposal(f"compute `{r.module or '<root>'}` in float32", "", id="keep_fp32",
+                        params={"modules": [r.module]} if r.module else {}))
+
+
+def rounded_literal_candidates(ctx: Context) -> list[Candidate]:
+    """``constant-out-of-range`` for literals rounded onto ±1 and no-op offsets: error when they feed a harmful
+    inf/NaN (they precede it: the root cause), warning otherwise."""
+    out: list[Candidate] = []
+    for what, hits in (("rounded", rounded_to_one(ctx)), ("no-op", noop_literals(ctx))):
+        for r, lit, harm in hits:
+            dt = dtype_name(r.dtype)
+            expl, ev = _explain(ctx, r, lit, harm, what)
+            mod = r.module or "<root>"
+            title = (f"literal {lit:.7g} is {in_dtype(lit, dt):g} in {dt} in {mod}" if what == "rounded"
+                     else f"literal {lit:g} is a no-op in {dt} in {mod}")
+            out.append(Candidate(Finding(
+                "constant-out-of-range", "error" if harm is not None else "warning", r.module, r.op, r.phase, title,
+                expl, ev, _fixes(r, what), r.step), r.index))
+    return out
+
+
+__all__ = ["OFFSETS", "SHIFTS", "feeds_harm", "flushed_literal_evidence", "flushed_literals", "in_dtype",
+           "literals_of", "noop_literals", "rounded_literal_candidates", "rounded_to_one"]
