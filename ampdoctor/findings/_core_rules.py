@@ -252,8 +252,9 @@ def constant_out_of_range(ctx: Context) -> list[Candidate]:
     0 in the dtype (``x + 1e-10`` in fp16), one that is not ±1 but becomes exactly ±1 (``clamp(y, -1 + 1e-6,
     1 - 1e-6)`` in fp16 lets tanh's ±1 reach ``atanh``), and an offset that rounds away against the values it meets
     (``x + 1e-4`` on values >= 1 in bf16: the result equals ``x`` where fp32's does not). Error when the value it
-    should have changed feeds a harmful inf/NaN -- the literal then precedes that symptom as its root cause --
-    warning otherwise. Evidence: ``constant``, ``constant_in_dtype``, ``mechanism`` (rounded / no-op),
+    should have changed makes a harmful inf/NaN (zeros, or ±1, on the way) -- the literal then precedes that
+    symptom as its root cause -- else a warning (info for a no-op offset: eps guards round away by design against
+    large values). Evidence: ``constant``, ``constant_in_dtype``, ``mechanism`` (rounded / no-op),
     ``consequence``."""
     # long: the docstring is this code's entry in docs/codes.md; the body is two short loops
     out: list[Candidate] = []

@@ -116,10 +116,12 @@ def rounded_to_one(ctx: Context) -> list[tuple[OpRecord, float, OpRecord | None]
         lits = [v for v in literals_of(ctx, r, SHIFTS) if abs(v) != 1 and abs(in_dtype(v, dt)) == 1.0]
         if not lits:
             continue
-        harm = feeds_harm(ctx, r)
         ref = ctx.ref(r)
         lets_one = op_base(r.op) in CLIP_OPS and ref is not None and r.stats.get("absmax") == 1.0 \
             and ref.stats.get("absmax", 1.0) < 1.0
+        harm = feeds_harm(ctx, r)
+        if harm is not None and not lets_one and not zeros_between(ctx, r, harm):
+            harm = None  # an inf/NaN downstream that this literal's rounding did not make
         if harm is not None or lets_one:
             out.append((r, lits[0], harm))
     return out
@@ -143,8 +145,28 @@ def noop_literals(ctx: Context) -> list[tuple[OpRecord, float, OpRecord | None]]
             continue
         if abs(ref.stats.get("norm", 0.0) - ref_src.stats["norm"]) <= 4 * 2.0 ** -24 * ref_src.stats["norm"]:
             continue  # fp32 does not move the values either: the literal is negligible by design
-        out.append((r, lits[0], feeds_harm(ctx, r)))
+        harm = feeds_harm(ctx, r)
+        out.append((r, lits[0], harm if harm is not None and zeros_between(ctx, r, harm) else None))
     return out
+
+
+def zeros_between(ctx: Context, r: OpRecord, harm: OpRecord) -> bool:
+    """Between ``r`` and the harmful ``harm`` (within 6 hops), a record holds exact zeros where fp32 holds values: the
+    offset the literal should have kept is gone (``(h + eps) - 1 = 0``), and the inf/NaN is made from it."""
+    recs = ctx.records
+    for x in feeders(recs, harm, 6):
+        if x.index > r.index and _extra_zeros(ctx, x) and not any(i >= 0 and _extra_zeros(ctx, recs[i])
+                                                                  for i in x.inputs) \
+                and any(y.index == r.index for y in feeders(recs, x, 6)):
+            return True  # x makes its own zeros (not inherited), downstream of the literal
+    return False
+
+
+def _extra_zeros(ctx: Context, x: OpRecord) -> bool:
+    ref = ctx.ref(x)
+    if ref is None or not counts_known(x.stats) or not counts_known(ref.stats):
+        return False
+    return x.stats.get("n_zero", 0) > ref.stats.get("n_zero", 0)
 
 
 def _explain(ctx: Context, r: OpRecord, lit: float, harm: OpRecord | None, what: str) -> tuple[str, dict[str, Any]]:
@@ -183,8 +205,9 @@ def _fixes(r: OpRecord, what: str) -> tuple[FixProposal, ...]:
 
 
 def rounded_literal_candidates(ctx: Context) -> list[Candidate]:
-    """``constant-out-of-range`` for literals rounded onto ±1 and no-op offsets: error when they feed a harmful
-    inf/NaN (they precede it: the root cause), warning otherwise."""
+    """``constant-out-of-range`` for literals rounded onto ±1 and no-op offsets: error when they make a harmful
+    inf/NaN (they precede it: the root cause); otherwise a warning for a bound that lets ±1 through, and info for a
+    no-op offset (an eps guard against values far above it rounds away by design until the values get small)."""
     out: list[Candidate] = []
     for what, hits in (("rounded", rounded_to_one(ctx)), ("no-op", noop_literals(ctx))):
         for r, lit, harm in hits:
@@ -193,11 +216,12 @@ def rounded_literal_candidates(ctx: Context) -> list[Candidate]:
             mod = r.module or "<root>"
             title = (f"literal {lit:.7g} is {in_dtype(lit, dt):g} in {dt} in {mod}" if what == "rounded"
                      else f"literal {lit:g} is a no-op in {dt} in {mod}")
+            severity = "error" if harm is not None else "warning" if what == "rounded" else "info"
             out.append(Candidate(Finding(
-                "constant-out-of-range", "error" if harm is not None else "warning", r.module, r.op, r.phase, title,
+                "constant-out-of-range", severity, r.module, r.op, r.phase, title,
                 expl, ev, _fixes(r, what), r.step), r.index))
     return out
 
 
 __all__ = ["OFFSETS", "SHIFTS", "feeds_harm", "flushed_literal_evidence", "flushed_literals", "in_dtype",
-           "literals_of", "noop_literals", "rounded_literal_candidates", "rounded_to_one"]
+           "literals_of", "noop_literals", "rounded_literal_candidates", "rounded_to_one", "zeros_between"]

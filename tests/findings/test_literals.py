@@ -3,7 +3,7 @@
 * a clamp bound ``1 - eps`` that is exactly 1 in fp16/bf16 lets tanh's ±1 through to ``atanh`` (inf): the root
   cause is the literal at the clamp, not the overflow at atanh;
 * an offset ``+ 1e-4`` that rounds away against values >= 1 in bf16 (a no-op) leaves exact zeros for ``log``;
-* a no-op offset with no consequence is a warning;
+* a no-op offset with no consequence is info (an eps guard rounds away by design until its values get small);
 each with a twin whose literal survives the dtype and stays clean.
 """
 
@@ -123,12 +123,53 @@ class Shift(nn.Module):
 
 
 @pytest.mark.parametrize("offset,noop", [(1e-4, True), (0.5, False)])
-def test_noop_offset_without_consequence_is_a_warning(offset, noop):
+def test_noop_offset_without_consequence_is_info(offset, noop):
     torch.manual_seed(0)
     report = ampdoctor.diagnose(Shift(offset), _x(), precision="bf16", loss_fn=_loss)
     lits = [f for f in report.findings if f.code == "constant-out-of-range"]
     if not noop:
         assert not lits
         return
-    assert [(f.severity, f.module, f.op) for f in lits] == [("warning", "", "aten.add.Tensor")]
+    assert [(f.severity, f.module, f.op) for f in lits] == [("info", "", "aten.add.Tensor")]
     assert lits[0].evidence["constant"] == pytest.approx(1e-4)
+
+
+class Attn(nn.Module):
+    """An additive padding mask built from another dtype's limit: ``torch.finfo(torch.float32).min`` is -inf in fp16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.o = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ x.transpose(-1, -2).to(self.q.weight.dtype)
+        scores = scores + (1.0 - mask.to(scores.dtype))[:, None, :] * torch.finfo(torch.float32).min
+        return self.o(torch.softmax(scores, -1) @ x.to(scores.dtype))
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = Attn()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, mask)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp16-amp"])
+@pytest.mark.parametrize("all_padding", [True, False])
+def test_fp32_limit_as_fp16_mask_literal(precision, all_padding):
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 4)
+    mask[1] = 0.0 if all_padding else torch.tensor([0.0, 0.0, 1.0, 1.0])
+    report = ampdoctor.diagnose(Encoder(), (x, mask), precision=precision, loss_fn=_loss)
+    if not all_padding:  # -inf on a row that keeps keys: softmax gives fp32's probabilities, nothing to report
+        assert not report.findings
+        return
+    f = report.findings[0]
+    assert (f.code, f.severity, f.module, f.op, f.phase) == (
+        "constant-out-of-range", "error", "attn", "aten.mul.Tensor", "forward")
+    assert f.evidence["constant"] == pytest.approx(float(torch.finfo(torch.float32).min))
+    assert "masked-row-nan" in report.codes()  # the symptom comes after its cause
