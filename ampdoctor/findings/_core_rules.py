@@ -88,7 +88,11 @@ def overflow(ctx: Context) -> list[Candidate]:
     their forward op. A registered buffer that the model cast already made inf (a mask of
     ``torch.finfo(torch.float32).min`` stored in fp16) is the origin itself: phase ``setup``, its owning module,
     ranked before what it feeds when that turns harmful (a ``warning`` otherwise). A user's unscaled fp8 cast
-    beyond max + half a spacing is one too (``findings/_fp8_casts``)."""
+    beyond max + half a spacing is one too (``findings/_fp8_casts``).
+    An inf that a guard catches (clamp, clip, ``nan_to_num``, ``where(isinf...)``, a saturating cast; T5's fp16
+    clamp) is still an overflow at the op that made it, with ``caught_by`` (op, module, bounds, in_reference) in
+    evidence, even when nothing downstream is inf; a guard that never clips is not reported."""
+    # long: the docstring is this code's entry in docs/codes.md
     out: list[Candidate] = fp8_clip_candidates(ctx, "overflow") + caught_candidates(ctx, _overflow_fixes)  # fp8, guards
     fp8_done = fp8_handled(ctx) | caught_handled(ctx)
     for o in ctx.harmful_origins():
