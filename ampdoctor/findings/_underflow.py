@@ -63,8 +63,9 @@ def underflow(ctx: Context) -> list[Candidate]:
     floor are evidence, not the origin. An inf/NaN made by dividing by such zeros (``m / (sqrt(0) + 0)``, 0/0)
     has this underflow as its root cause. Severity ``error`` when it zeroes the gradient of parameters (all-zero
     in the target, not in the reference), the loss, or feeds an inf/NaN that reaches the loss, a gradient or an
-    update; ``warning`` otherwise. A buffer the model cast flushed (tiny variances) is a ``setup`` origin (owner).
-    A user's fp8 cast flushing most values is an error (``amax``, ``scale``)."""
+    update; ``warning`` otherwise. A buffer the model cast flushed (tiny variances) is a ``setup`` origin (owner);
+    a user's fp8 cast flushing most values is an error at the cast (``amax``, ``scale``, ``fitting_scale``)."""
+    # long: the docstring is this code's entry in docs/codes.md
     out: list[Candidate] = flush_candidates(ctx)  # the user's own fp8 casts, with their scale
     origins = without_fp8_casts(ctx, ctx.underflow_origins)
     if not origins:
