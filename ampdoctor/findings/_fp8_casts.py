@@ -24,7 +24,7 @@ from ampdoctor.findings._common import CASTS, base_evidence, dtype_name, finite,
 from ampdoctor.findings._context import Context
 from ampdoctor.findings._registry import Candidate
 from ampdoctor.findings._types import Finding, FixProposal
-from ampdoctor.trace import FP8_DTYPES, OpRecord, dtype_info
+from ampdoctor.trace import FP8_DTYPES, OpRecord, Role, dtype_info, op_info
 
 FP8 = frozenset(dtype_name(d) for d in FP8_DTYPES)
 #: a cast that flushes more than this fraction of its nonzero input values is an underflow
@@ -77,10 +77,10 @@ def overflow_threshold(dtype: str) -> float:
 def _scale_of(ctx: Context, src: OpRecord) -> tuple[float, str, OpRecord | None, float] | None:
     """``(scale, "mul"|"div", scale record, unscaled |max|)`` when ``src`` multiplies (or divides) data by a scale:
     a Python number or a tensor with fewer elements than the data (per-tensor, per-row, per-channel)."""
-    base = op_base(src.op)
-    if base not in ("mul", "div", "true_divide"):
-        return None
-    how = "mul" if base == "mul" else "div"
+    info = op_info(op_base(src.op))
+    if not any(lit.role is Role.FACTOR for lit in info.literals) or src.kind != "op":
+        return None  # not a multiplication or division (the registry's ops with a factor literal)
+    how = "div" if "div" in op_base(src.op) else "mul"  # div, div_, true_divide
     ins = [ctx.records[i] for i in src.inputs if i >= 0]
     if len(ins) == 1 and len(src.scalars) == 1:
         return src.scalars[0], how, None, ins[0].stats.get("absmax", math.nan)

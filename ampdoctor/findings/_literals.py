@@ -44,8 +44,8 @@ ADDITIVE = frozenset({Role.ADDEND, Role.BOUND})
 #: literal roles that move values by a fixed amount, bound or scale them: a literal rounded onto ±1 there changes
 #: the result (a bound lets ±1 through, a factor multiplies by 1)
 SHIFTS = frozenset({Role.ADDEND, Role.BOUND, Role.FACTOR})
-#: ops whose result is ``x`` moved by a literal: a no-op when the literal rounds away against every |x|
-OFFSETS = frozenset({"add", "sub", "add_", "sub_"})
+#: the role of a literal that moves ``x`` by a fixed amount: a no-op when it rounds away against every |x|
+OFFSETS = frozenset({Role.ADDEND})
 CLIP_OPS = ops_with(Kind.CLIPS)
 _STAT_KEYS = ("absmax", "norm", "n_zero", "min_nonzero", "numel")
 
@@ -134,9 +134,9 @@ def noop_literals(ctx: Context) -> list[tuple[OpRecord, float, OpRecord | None]]
     recs = ctx.records
     for r in recs:
         dt = dtype_name(r.dtype)
-        if r.kind != "op" or dt not in LOW or op_base(r.op) not in OFFSETS:
+        if r.kind != "op" or dt not in LOW:
             continue
-        lits = [v for v in literals_of(ctx, r, frozenset({Role.ADDEND})) if v != 0 and in_dtype(v, dt) != 0.0]
+        lits = [v for v in literals_of(ctx, r, OFFSETS) if v != 0 and in_dtype(v, dt) != 0.0]
         src = next((recs[i] for i in r.inputs if i >= 0 and recs[i].shape == r.shape), None)
         if not lits or src is None or any(r.stats.get(k) != src.stats.get(k) for k in _STAT_KEYS):
             continue
