@@ -12,6 +12,7 @@ from ampdoctor.findings._context import Context
 from ampdoctor.findings._fp8_casts import clip_candidates
 from ampdoctor.findings._registry import RUN_END, RUN_FP8_SCALES, RUN_PARAMS, SETUP_CRASH, Candidate, Order, rule
 from ampdoctor.findings._types import Finding, FixProposal
+from ampdoctor.findings._updates import lost_updates, scaled_updates
 from ampdoctor.trace import DTYPES, OpRecord, dtype_info
 
 FP8 = frozenset(n for n, i in DTYPES.items() if i.fp8)
@@ -40,7 +41,9 @@ def low_precision_params(ctx: Context) -> list[Candidate]:
             continue
         seen.add(r.module)
         out.append(_optimizer_overflow(ctx, r))
-    # 2) updates rounded away
+    # 2) any write into fp16/bf16 module state (optimizer, EMA, running statistics, manual updates, gradient
+    #    accumulation) whose update rounds away, step by step; then the optimizer's parameter snapshot
+    out.extend(lost_updates(ctx, seen, _master_fix()))
     out.extend(_lost_updates(ctx, seen))
     return out
 
@@ -177,7 +180,10 @@ def loss_scaling_misuse(ctx: Context) -> list[Candidate]:
         out.append(Candidate(Finding("loss-scaling-misuse", "error", owner, "", "optimizer",
                                      "GradScaler used with fp16 parameters", expl, ev, (_master_fix(),),
                                      ctx.target.exc_step or 0), SETUP_CRASH))
-    # clipping before unscale_: a norm over gradients in the optimizer phase before the unscale op of a step
+    # updates (optimizer.step or a manual write) that read gradients still multiplied by the scale
+    out += scaled_updates(ctx)
+    # clipping before unscale_: a norm over gradients in the optimizer phase before the unscale op of a step,
+    # whose result feeds an in-place write (the clip's mul_ of the gradients; a norm for logging is no clipping)
     recs = ctx.records
     for step in sorted({r.step for r in recs}):
         unscale = next((r for r in recs if r.step == step and "non_finite_check_and_unscale" in r.op), None)
@@ -190,7 +196,8 @@ def loss_scaling_misuse(ctx: Context) -> list[Candidate]:
             continue
         limit = first_unscale_idx if first_unscale_idx is not None else math.inf
         clip = next((r for r in recs if r.step == step and r.phase == "optimizer" and r.index < limit
-                     and op_base(r.op) in ("_foreach_norm", "linalg_vector_norm", "norm")), None)
+                     and op_base(r.op) in ("_foreach_norm", "linalg_vector_norm", "norm")
+                     and _feeds_write(recs, r.index)), None)
         if clip is not None:
             ev = base_evidence(clip)
             ev["grad_norm_seen"] = clip.stats.get("absmax")
@@ -204,6 +211,20 @@ def loss_scaling_misuse(ctx: Context) -> list[Candidate]:
                                    clip.index))
             break
     return out
+
+
+def _feeds_write(recs: list[OpRecord], index: int) -> bool:
+    """Whether the value of record ``index`` reaches an in-place write later in its step (lineage forward)."""
+    reached = {index}
+    step = recs[index].step
+    for r in recs[index + 1:]:
+        if r.step != step:
+            break
+        if any(i in reached for i in r.inputs):
+            if op_base(r.op).endswith("_"):
+                return True
+            reached.add(r.index)
+    return False
 
 
 @rule("fp8-scale", severity="error", precedence=12,

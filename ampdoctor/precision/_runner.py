@@ -69,6 +69,10 @@ class RunResult:
     models: Any = None
     #: per-tensor fp8 statistics when the precision is emulated fp8 (:class:`ampdoctor.precision.Fp8Stats`)
     fp8: Any = None
+    #: per step, the norm of all gradients as ``optimizer.step`` read them (NaN: no optimizer step)
+    grad_norms: list[float] = field(default_factory=list)
+    #: per step, the GradScaler's scale while the step ran (empty without an enabled scaler)
+    step_scales: list[float] = field(default_factory=list)
 
 
 def _coverage(model: nn.Module, names: dict[int, str], owners: dict[int, str], opt: Any) -> list[ParamState]:
@@ -112,6 +116,8 @@ class _TraceObserver(Observer):
                         if self.names.get(id(p), "") in low_names]
         self.before: dict[str, torch.Tensor] = {}
         self.tr.on_optimizer_pre.append(self._snapshot)
+        self.tr.on_optimizer_pre.append(self._grad_norm)
+        self.norms: list[Any] = []
         if self.tracked and opt is not None:
             self.tr.on_optimizer_pre.append(self._params_before)
             self.tr.on_optimizer_post.append(self._params_after)
@@ -126,6 +132,19 @@ class _TraceObserver(Observer):
 
     def step_start(self, loop: StepLoop, step: int) -> None:
         self.tr.set_step(step)
+        scaler = loop.prep.scaler
+        if scaler is not None and scaler.is_enabled():
+            self.result.step_scales.append(float(scaler.get_scale()))  # one host sync per step, with the loss's
+
+    def _grad_norm(self) -> None:
+        """The gradients as the (first) ``optimizer.step`` of a step reads them: one device scalar, no sync."""
+        step = self.tr.mode.step
+        while len(self.norms) <= step:
+            self.norms.append(None)
+        if self.norms[step] is None and self.opt is not None:
+            gs = [p.grad for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
+            if gs:
+                self.norms[step] = torch.stack([g.detach().double().pow(2).sum() for g in gs]).sum().sqrt()
 
     def _snapshot(self) -> None:
         if len(self.result.coverage) <= self.tr.mode.step:
@@ -183,6 +202,9 @@ class _TraceObserver(Observer):
             flat = [v for d in res.update_lost for v in d.values()]
             lost_vals = iter(torch.stack([v.cpu() for v in flat]).tolist()) if flat else iter(())
             res.update_lost = [{k: next(lost_vals) for k in d} for d in res.update_lost]
+        known = [n for n in self.norms if n is not None]
+        vals = iter(torch.stack([n.cpu() for n in known]).tolist() if known else [])
+        res.grad_norms = [next(vals) if n is not None else float("nan") for n in self.norms]
         if zero_ts:
             it = iter(torch.stack([z.cpu() for z in zero_ts]).tolist())
             for cov in res.coverage:

@@ -85,6 +85,11 @@ def prepare(spec: StepSpec, *, reference: bool, round_to: torch.dtype | None = N
         raise ScenarioError(f"cannot copy the batch ({type(e).__name__}: {e}); ampdoctor runs the step several times "
                             "on copies: pass tensors and plain containers (dicts, tuples, lists)") from e
     dtypes = _distributed.param_dtypes(model)
+    if reference and scaler is not None and scaler.is_enabled():
+        # fp32 needs no loss scaling, and unscaling by a power of two is exact in fp32: the reference runs the
+        # step as the user means it, so a step whose updates read still-scaled gradients differs from it by the
+        # scale (loss-scaling-misuse) instead of repeating the mistake
+        scaler = torch.amp.GradScaler(getattr(scaler, "_device", "cuda"), enabled=False)
     if reference:
         if any(t.is_floating_point() and t.dtype != torch.float32
                for t in list(model.parameters()) + list(model.buffers())):

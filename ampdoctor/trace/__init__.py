@@ -63,6 +63,7 @@ from ampdoctor.trace._ops import (
     torch_names,
 )
 from ampdoctor.trace._stats import CHEAP_FIELDS, FULL_FIELDS, dtype_limits
+from ampdoctor.trace._writes import WRITE_FIELDS, WriteRecord, state_index
 
 __all__ = [
     "trace",
@@ -103,6 +104,8 @@ __all__ = [
     "is_nonfinite",
     "has_nan",
     "analyse_lineage",
+    "WriteRecord",
+    "WRITE_FIELDS",
 ]
 
 
@@ -116,6 +119,8 @@ class TraceResult:
     marks: dict[str, list[int]] = field(default_factory=dict)
     #: step-0 decision ops (argmax, topk, sort, ``max.dim``) with their indices (``trace._sample.Decision``)
     decisions: list[Any] = field(default_factory=list)
+    #: every in-place write into a parameter, buffer or accumulated gradient (full statistics only)
+    writes: list[WriteRecord] = field(default_factory=list)
 
     @property
     def first_nonfinite(self) -> OpRecord | None:
@@ -212,8 +217,11 @@ class Trace:
                 except Exception:
                     continue
         self.mode.buffer_ptrs = buffers
+        if self.mode.full:
+            self.mode.writes.state_ptrs = state_index(self.model)
 
     def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self.marks.setdefault("optimizer_step", []).append(len(self.mode.records))
         with _paused(self.mode):
             self._index_params()
             for cb in self.on_optimizer_pre:
@@ -230,6 +238,9 @@ class Trace:
     # -- runner hooks --------------------------------------------------------------------------------------
     def set_step(self, step: int) -> None:
         self.mode.step = step
+        if self.mode.full:
+            with _paused(self.mode):
+                self.mode.writes.state_ptrs = state_index(self.model)
 
     def index_of(self, t: torch.Tensor) -> int | None:
         """Record index that produced tensor ``t`` (``None`` if unseen)."""
@@ -249,7 +260,7 @@ class Trace:
         with _paused(self.mode):
             self.mode.read()
         return TraceResult(self.mode.records, self.mode.full, self.mode.error, self.marks,
-                           self.mode.sketch.decisions)
+                           self.mode.sketch.decisions, self.mode.writes.records)
 
 
 class _paused:

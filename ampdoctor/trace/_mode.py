@@ -31,6 +31,7 @@ from ampdoctor.trace._stats import (
     full_stats,
     lite_stats,
 )
+from ampdoctor.trace._writes import HIDDEN_WRITES, WriteLog
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -186,6 +187,7 @@ class RecordingMode(TorchDispatchMode):
         self._row_base = 0
         self._read_upto = 0
         self.sketch = Sketches(_key)  # step-0 samples, decision indices, integer tensors' sources
+        self.writes = WriteLog(attribution)  # in-place writes into module state (:mod:`._writes`)
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _phase(self, node: Any) -> str:
@@ -201,9 +203,15 @@ class RecordingMode(TorchDispatchMode):
             return "optimizer"
         return "forward"
 
+    def _loop_code(self, phase: str) -> bool:
+        """The user's step code after the backward, outside every module and ``optimizer.step``: module ``""``."""
+        return phase == "optimizer" and not self.in_optimizer and not self.attr.stack
+
     def _module(self, node: Any, phase: str, tensors: list[torch.Tensor]) -> str:
         if phase == "backward":
             return self.attr.backward_owner(node)
+        if self._loop_code(phase):
+            return ""
         if phase == "optimizer":
             for t in tensors:
                 try:
@@ -359,7 +367,7 @@ class RecordingMode(TorchDispatchMode):
             "scalars": [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)],
             "message": str(e).split("\n")[0][:300],
             "type": type(e).__name__,
-            "src": _user_frame() if phase == "forward" else None,
+            "src": _user_frame() if phase == "forward" or self._loop_code(phase) else None,
         }
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
@@ -382,11 +390,15 @@ class RecordingMode(TorchDispatchMode):
                 _flat(v, ins)
         module = self._module(node, phase, ins)
         in_idx = tuple(self._input_index(t, phase, module) for t in ins if t.is_floating_point() and not t.is_meta)
+        info = self._op_info(func)
+        pending = self.writes.before(func, args, kwargs, node) if info[3] or info[1] in HIDDEN_WRITES else None
         try:
             out = func(*args, **kwargs)
         except Exception as e:
             self._record_error(func, args, kwargs, node, phase, module, e, in_idx)
             raise
+        if pending is not None:
+            self.writes.after(pending, info[0], phase, module, self.step, len(self.records), _user_frame())
         outs: list[torch.Tensor] = []
         _flat(out, outs)
         if not outs and self._op_info(func)[3]:
@@ -395,7 +407,8 @@ class RecordingMode(TorchDispatchMode):
             base = self._op_info(func)[1]
             literals = literal_values(base, args, kwargs, _arg_names(func)) if op_info(base).literals else ()
             ctx = _OpContext(self._op_info(func), node, phase, module, in_idx,
-                             _user_frame() if phase == "forward" else None, _scalars(args, kwargs), literals,
+                             _user_frame() if phase == "forward" or self._loop_code(phase) else None,
+                             _scalars(args, kwargs), literals,
                              tuple(str(t.dtype).replace("torch.", "") for t in ins if t.is_floating_point()),
                              self.sketch.index_sources(ins))
             for pos, t in enumerate(outs):
@@ -468,17 +481,12 @@ class RecordingMode(TorchDispatchMode):
         if self.full and self.headroom:
             fields = fields + tuple(f"flush_{name}" for name, _, _ in HEADROOM_FORMATS)
         rows, base = self.rows, self._row_base
-        if rows:
+        unread = self.writes.unread()
+        if rows or unread:
             values: list[list[float]] = [[] for _ in rows]
-            if self.full:  # host lists (CPU statistics) as they are, tensor rows stacked per device and read once
-                by_dev: dict[Any, list[int]] = {}
-                for i, r in enumerate(rows):
-                    if isinstance(r, list):
-                        values[i] = r
-                    else:
-                        by_dev.setdefault(r.device, []).append(i)
-                # with the samples and decisions: one transfer per device
-                self.sketch.read_rows(rows, by_dev, values, base, self.records[self._read_upto:])
+            if self.full:  # with the write rows, the samples and decisions: one transfer per device
+                values = self.writes.read_with(rows, unread, len(fields), self.sketch, base,
+                                               self.records[self._read_upto:])
             else:  # (min, max) pairs: one stack per device and dtype, one read per device
                 groups: dict[Any, list[int]] = {}
                 for i, (mn, _) in enumerate(rows):

@@ -1,0 +1,187 @@
+"""Lost updates at any write into module state, and updates applied to gradients still multiplied by the loss scale.
+
+The trace logs every in-place write into a parameter, a buffer or an accumulated gradient (``trace.WriteRecord``:
+optimizer steps, EMA / teacher updates, running statistics, manual SGD, gradient accumulation across
+micro-batches) with the update it applied in the stored dtype next to the same write computed one format wider.
+Two mechanisms read that log:
+
+- :func:`lost_updates` (code ``low-precision-params``): a write to fp16/bf16 state that leaves most of the
+  elements it should change unchanged (each update below half an ulp of the stored value), or whose applied
+  size deviates from the exact one, while the fp32 reference's same write (same step, tensor and order) does
+  change them. Reported at that write, step by step.
+- :func:`scaled_updates` (code ``loss-scaling-misuse``): a write, or an ``optimizer.step``, whose update in the
+  target is about ``scale`` times the fp32 reference's -- the gradients it read were still multiplied by the
+  GradScaler's scale (the reference runs the same step with loss scaling off, its exact fp32 equivalent).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from ampdoctor.findings._common import HALF, fmt
+from ampdoctor.findings._context import Context
+from ampdoctor.findings._registry import Candidate
+from ampdoctor.findings._types import Finding, FixProposal
+from ampdoctor.trace import WriteRecord, unit_roundoff
+
+#: a write loses its update when more than this fraction of the elements it should change keep their value
+LOST_FRACTION = 0.5
+#: ... or when the update it applies is off the exact one by more than this factor
+DEVIATION = 2.0
+
+
+def _src(w: WriteRecord) -> str:
+    return f"{os.path.basename(w.src[0])}:{w.src[1]}" if w.src else ""
+
+
+def _where(w: WriteRecord) -> str:
+    at = f" at {_src(w)}" if w.src else ""
+    by = f"code of {w.module}" if w.module else "the training-step code outside every module"
+    return f"{w.op} ({'optimizer.step' if w.phase == 'optimizer' and w.module == w.owner else by}{at})"
+
+
+def _ref_writes(ctx: Context) -> dict[tuple[int, str, str, int], WriteRecord]:
+    return {w.key: w for w in ctx.reference.trace.writes} if ctx.reference is not None else {}
+
+
+def _evidence(w: WriteRecord, ref: WriteRecord | None) -> dict[str, Any]:
+    s = w.stats
+    moving = s.get("moving", 0.0)
+    ev: dict[str, Any] = {w.target: w.name, "tensor": w.name, "written": w.target, "dtype": w.dtype,
+                          "step": w.step, "write": w.seq, "op": w.op, "op_module": w.module, "owner": w.owner,
+                          "fraction_lost": w.fraction_lost, "moving": int(moving),
+                          "mean_update": s["intended"] / moving if moving else 0.0,
+                          "applied_ratio": s["applied"] / s["intended"] if s.get("intended") else 0.0,
+                          "ulp_at_1": 2 * unit_roundoff(w.dtype)}
+    if w.src:
+        ev["source"] = _src(w)
+    if ref is not None:
+        ev["fraction_lost_fp32"] = ref.fraction_lost
+        ev["applied_fp32"] = ref.stats.get("applied", math.nan)
+    return ev
+
+
+def _lost(w: WriteRecord) -> bool:
+    s = w.stats
+    if w.dtype not in HALF or not s.get("moving") or not all(map(math.isfinite, s.values())):
+        return False
+    ratio = s["applied"] / s["intended"] if s["intended"] > 0 else 1.0
+    return w.fraction_lost > LOST_FRACTION or not 1 / DEVIATION <= ratio <= DEVIATION
+
+
+def _fixes(w: WriteRecord, master: FixProposal) -> tuple[FixProposal, ...]:
+    if w.target == "buffer":
+        return (FixProposal(f"keep {w.name} in float32 (updates of {w.dtype} state below half an ulp vanish)",
+                            f"model.get_buffer({w.name!r}).data = model.get_buffer({w.name!r}).float()",
+                            id="keep_fp32_buffers", params={"buffers": [w.name]}),)
+    shadow = FixProposal("keep an fp32 copy of the state and write the update there; cast when you read it",
+                         "shadow = {n: p.detach().float() for n, p in model.named_parameters()}\n"
+                         "shadow[n].mul_(decay).add_(p.float(), alpha=1 - decay)  # then p.copy_(shadow[n])")
+    return (master, shadow) if w.target == "parameter" else (master,)
+
+
+def _lost_mass(w: WriteRecord) -> float:
+    """The mean exact update per element that the write dropped (what ranks the lost writes of one step)."""
+    s = w.stats
+    return s["intended"] / s["moving"] * w.fraction_lost if s.get("moving") else 0.0
+
+
+def _worst_per_owner(ctx: Context, seen: set[str]) -> list[tuple[WriteRecord, WriteRecord | None]]:
+    """Per owning module not in ``seen``: its first step with a lost write, and there the write that drops the
+    largest update (AdamW's weight decay ``mul_(1 - lr * wd)`` and its ``addcdiv_`` can both be lost)."""
+    refs = _ref_writes(ctx)
+    best: dict[str, tuple[WriteRecord, WriteRecord | None]] = {}
+    for w in ctx.target.trace.writes:
+        if w.owner in seen or not _lost(w):
+            continue
+        ref = refs.get(w.key)
+        if ref is not None and (ref.fraction_lost > LOST_FRACTION or not ref.stats.get("changed")):
+            continue  # fp32 loses it too (or the reference's write changes nothing): not the stored precision
+        old = best.get(w.owner)
+        if old is None or (w.step == old[0].step and _lost_mass(w) > _lost_mass(old[0])):
+            best[w.owner] = (w, ref)
+    return list(best.values())
+
+
+def lost_updates(ctx: Context, seen: set[str], master: FixProposal) -> list[Candidate]:
+    """``low-precision-params`` at each write into fp16/bf16 module state that rounds its update away: one per
+    owning module not in ``seen`` (which it extends). Within a step, the write dropping the largest update ranks
+    first (the positions of the step's lost writes are handed out in that order)."""
+    found = _worst_per_owner(ctx, seen)
+    slots: dict[int, list[int]] = {}
+    for w, _ in found:
+        slots.setdefault(w.step, []).append(w.index)
+    for v in slots.values():
+        v.sort(reverse=True)
+    out: list[Candidate] = []
+    for w, ref in sorted(found, key=lambda p: (p[0].step, -_lost_mass(p[0]))):
+        seen.add(w.owner)
+        ev = _evidence(w, ref)
+        what = {"parameter": "parameter", "buffer": "buffer", "grad": "accumulated gradient of"}[w.target]
+        expl = (f"In step {w.step}, {_where(w)} writes the {w.dtype} {what} {w.name}: {w.fraction_lost:.0%} of the "
+                f"{ev['moving']} elements it should change kept their old value and the update it applied is "
+                f"{ev['applied_ratio']:.0%} of the exact one (mean exact update {fmt(ev['mean_update'])}; the ulp "
+                f"at 1.0 is {fmt(ev['ulp_at_1'])}, so any update below half an ulp of the stored value rounds "
+                "away)" + (f"; the fp32 reference's same write loses {ref.fraction_lost:.0%}" if ref else "")
+                + ". The update is silently dropped.")
+        title = (f"{w.owner or '<root>'}: {w.dtype} {w.target} updates by {w.op.split('.')[1]} are lost to "
+                 f"rounding")
+        out.append(Candidate(Finding("low-precision-params", "error", w.owner, w.op, w.phase, title, expl, ev,
+                                     _fixes(w, master), w.step), slots[w.step].pop()))
+    return out
+
+
+def _scale_ratio(target: float, ref: float, scale: float) -> float | None:
+    """``target / ref`` when it is within a factor of 2 of a loss scale above 8, else None."""
+    if not (scale > 8 and ref > 0 and math.isfinite(target) and math.isfinite(ref)):
+        return None
+    ratio = target / ref
+    return ratio if ratio > 0 and abs(math.log2(ratio / scale)) <= 1 else None
+
+
+_UNSCALE_FIX = FixProposal("let the scaler unscale the gradients before anything reads them",
+                           "scaler.scale(loss).backward()\nscaler.unscale_(optimizer)  # only if you clip or read "
+                           ".grad\nscaler.step(optimizer)\nscaler.update()")
+
+
+def scaled_updates(ctx: Context) -> list[Candidate]:
+    """``loss-scaling-misuse`` where an update reads gradients still multiplied by the loss scale."""
+    t, r = ctx.target, ctx.reference
+    if r is None or not t.step_scales:
+        return []
+    for step, (gn, scale) in enumerate(zip(t.grad_norms, t.step_scales)):
+        ref_gn = r.grad_norms[step] if step < len(r.grad_norms) else math.nan
+        ratio = _scale_ratio(gn, ref_gn, scale)
+        if ratio is None:
+            continue
+        starts = t.trace.marks.get("optimizer_step", [])
+        first = t.trace.records[starts[step]] if step < len(starts) and starts[step] < len(t.trace.records) else None
+        ev: dict[str, Any] = {"step": step, "grad_norm": gn, "grad_norm_fp32": ref_gn, "ratio": ratio,
+                              "loss_scale": scale}
+        expl = (f"In step {step}, optimizer.step() read gradients with norm {fmt(gn)} where the fp32 run (no loss "
+                f"scaling) has {fmt(ref_gn)}: {fmt(ratio)} times larger, the loss scale {fmt(scale)}. The gradients "
+                "were never unscaled (optimizer.step() instead of scaler.step(optimizer)), so every update is "
+                f"{fmt(scale)} times too large.")
+        op = first.op if first is not None else ""
+        return [Candidate(Finding("loss-scaling-misuse", "error", "", op, "optimizer",
+                                  "optimizer step on gradients still multiplied by the loss scale", expl, ev,
+                                  (_UNSCALE_FIX,), step), first.index if first is not None else 0)]
+    refs = _ref_writes(ctx)
+    for w in t.trace.writes:
+        ref = refs.get(w.key)
+        scale = t.step_scales[w.step] if w.step < len(t.step_scales) else 0.0
+        if ref is None or w.phase != "optimizer" or w.module:
+            continue  # only the step code's own writes: optimizer.step's are judged by the gradients it read
+        ratio = _scale_ratio(w.stats.get("applied", math.nan), ref.stats.get("applied", math.nan), scale)
+        if ratio is None:
+            continue
+        ev = _evidence(w, ref)
+        ev.update({"ratio": ratio, "loss_scale": scale})
+        expl = (f"In step {w.step}, {_where(w)} updates {w.name} by {fmt(ratio)} times what the fp32 run (no loss "
+                f"scaling) applies, the loss scale {fmt(scale)}: the update reads .grad before scaler.unscale_.")
+        return [Candidate(Finding("loss-scaling-misuse", "error", w.owner, w.op, w.phase,
+                                  f"{w.owner or '<root>'}: update applied to gradients still multiplied by the "
+                                  "loss scale", expl, ev, (_UNSCALE_FIX,), w.step), w.index)]
+    return []
