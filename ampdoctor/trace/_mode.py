@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from ampdoctor.trace._modules import ModuleAttribution
+from ampdoctor.trace._modules import ModuleAttribution, user_frame
 from ampdoctor.trace._ops import Kind, Literal, literal_values, op_info, ops_with
 from ampdoctor.trace._sample import Sketches
 from ampdoctor.trace._stats import (
@@ -33,9 +31,6 @@ from ampdoctor.trace._stats import (
 )
 from ampdoctor.trace._writes import HIDDEN_WRITES, WriteLog
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_SKIP_DIRS = (_TORCH_DIR, _OUR_DIR, os.path.dirname(torch.nn.__file__))
 _current_node = torch._C._current_autograd_node
 #: ops whose single output holds exactly the elements of their first input: they reuse its statistics row
 ALIASES = ops_with(Kind.SAME_ELEMENTS)
@@ -131,16 +126,6 @@ def _scalars(args: Any, kwargs: dict[str, Any]) -> tuple[float, ...]:
     """The op's Python number arguments (``alpha``, ``scale``, ``eps``...), positional then keyword."""
     return tuple(float(a) for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)) + tuple(
         float(v) for v in kwargs.values() if isinstance(v, (int, float)) and not isinstance(v, bool))
-
-
-def _user_frame() -> tuple[str, int] | None:
-    f: Any = sys._getframe(3)
-    while f is not None:
-        fn = f.f_code.co_filename
-        if not fn.startswith(_SKIP_DIRS) and not fn.startswith("<"):
-            return fn, f.f_lineno
-        f = f.f_back
-    return None
 
 
 @dataclass(frozen=True)
@@ -367,7 +352,7 @@ class RecordingMode(TorchDispatchMode):
             "scalars": [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)],
             "message": str(e).split("\n")[0][:300],
             "type": type(e).__name__,
-            "src": _user_frame() if phase == "forward" or self._loop_code(phase) else None,
+            "src": user_frame() if phase == "forward" or self._loop_code(phase) else None,
         }
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
@@ -398,7 +383,7 @@ class RecordingMode(TorchDispatchMode):
             self._record_error(func, args, kwargs, node, phase, module, e, in_idx)
             raise
         if pending is not None:
-            self.writes.after(pending, info[0], phase, module, self.step, len(self.records), _user_frame())
+            self.writes.after(pending, info[0], phase, module, self.step, len(self.records), user_frame())
         outs: list[torch.Tensor] = []
         _flat(out, outs)
         if not outs and self._op_info(func)[3]:
@@ -407,7 +392,7 @@ class RecordingMode(TorchDispatchMode):
             base = self._op_info(func)[1]
             literals = literal_values(base, args, kwargs, _arg_names(func)) if op_info(base).literals else ()
             ctx = _OpContext(self._op_info(func), node, phase, module, in_idx,
-                             _user_frame() if phase == "forward" or self._loop_code(phase) else None,
+                             user_frame() if phase == "forward" or self._loop_code(phase) else None,
                              _scalars(args, kwargs), literals,
                              tuple(str(t.dtype).replace("torch.", "") for t in ins if t.is_floating_point()),
                              self.sketch.index_sources(ins))

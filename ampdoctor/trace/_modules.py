@@ -10,11 +10,28 @@ before their parents, so each node is owned by the innermost module whose own co
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
+_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+              os.path.dirname(torch.nn.__file__))
+
+
+def user_frame(depth: int = 3) -> tuple[str, int] | None:
+    """``(file, line)`` of the innermost caller outside torch and ampdoctor: the user's statement that ran an op
+    (a module's code or the training-step code outside every module)."""
+    f: Any = sys._getframe(depth)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not fn.startswith(_SKIP_DIRS) and not fn.startswith("<"):
+            return fn, f.f_lineno
+        f = f.f_back
+    return None
 
 
 def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:

@@ -55,6 +55,7 @@ class Kind(enum.Enum):
     PICKS_K = "picks_k"              # a decision for the k largest (topk): each row's choice is a set
     ORDERS = "orders"                # a decision that orders a whole row (sort, argsort)
     CLIPS = "clips"                  # replaces out-of-range or non-finite values (clamp, nan_to_num, where): a guard
+    STATS_WRITE = "stats_write"      # writes running_mean / running_var in training; the schema does not say so
 
 
 class Reduces(enum.Enum):
@@ -333,7 +334,9 @@ declare("native_layer_norm", reduces=Reduces.ROW, literals=_lits(("eps", 4, R.EP
 declare("native_group_norm", reduces=Reduces.ROW, literals=_lits(("eps", 7, R.EPS)))
 declare("_fused_rms_norm", literals=_lits(("eps", 3, R.EPS)))
 for _n in ("native_batch_norm", "_native_batch_norm_legit", "batch_norm"):
-    declare(_n, literals=_lits(("eps", 7, R.EPS)))
+    declare(_n, *((K.STATS_WRITE,) if _n == "native_batch_norm" else ()), literals=_lits(("eps", 7, R.EPS)))
+for _n in ("cudnn_batch_norm", "miopen_batch_norm"):
+    declare(_n, K.STATS_WRITE, literals=_lits(("epsilon", 7, R.EPS)))
 declare("_native_batch_norm_legit_no_training", literals=_lits(("eps", 6, R.EPS)))
 for _n in ("argmax", "max"):
     declare(_n, K.DECISION)

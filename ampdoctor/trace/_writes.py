@@ -24,10 +24,17 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ampdoctor.trace._dtypes import dtype_info
+from ampdoctor.trace._ops import Kind, ops_with
+
 #: the statistics of one write, in row order
 WRITE_FIELDS = ("numel", "moving", "lost", "changed", "intended", "applied")
-_WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64,
-          torch.float64: torch.float64}
+
+
+def _wider(dtype: torch.dtype) -> torch.dtype:
+    """One format wider than ``dtype``: float32 for the 16-bit (and 8-bit) formats, else float64."""
+    info = dtype_info(dtype)
+    return torch.float32 if info is not None and info.bits <= 16 else torch.float64
 
 
 @dataclass
@@ -77,10 +84,10 @@ def state_index(model: torch.nn.Module) -> dict[int, tuple[str, str, str]]:
     return out
 
 
-#: ops that write arguments their schema does not mark as written (torch's ``native_batch_norm`` updates
-#: ``running_mean`` / ``running_var`` in training without an ``(a!)`` annotation): op base -> argument names
-HIDDEN_WRITES = {name: ("running_mean", "running_var")
-                 for name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm")}
+#: ops that write ``running_mean`` / ``running_var`` without their schema marking them written
+#: (:attr:`Kind.STATS_WRITE` in the op registry)
+HIDDEN_WRITES = ops_with(Kind.STATS_WRITE)
+_STATS_ARGS = ("running_mean", "running_var")
 
 
 def written_args(func: Any, args: Any, kwargs: Any, cache: dict[Any, tuple[tuple[int, str, bool], ...]]
@@ -89,7 +96,7 @@ def written_args(func: Any, args: Any, kwargs: Any, cache: dict[Any, tuple[tuple
     statistics of a batch norm in training), ``out=`` buffers excluded (their old memory is not state)."""
     pos = cache.get(func)
     if pos is None:
-        hidden = HIDDEN_WRITES.get(func.overloadpacket.__name__, ())
+        hidden = _STATS_ARGS if func.overloadpacket.__name__ in HIDDEN_WRITES else ()
         pos = tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
                     if (a.alias_info is not None and a.alias_info.is_write or a.name in hidden)
                     and not a.kwarg_only)
@@ -114,7 +121,7 @@ class PendingWrite:
         with torch._C.DisableTorchFunction(), torch.no_grad(), _disable_current_modes():
             for t in tensors:
                 try:
-                    self.old.append(t.detach().to(_WIDER.get(t.dtype, torch.float64), copy=True))
+                    self.old.append(t.detach().to(_wider(t.dtype), copy=True))
                 except Exception:  # noqa: BLE001 - observation must not raise into user code
                     self.old.append(None)
             if torch.Tag.nondeterministic_seeded not in func.tags:
@@ -129,7 +136,7 @@ class PendingWrite:
                     return obj
                 c = memo.get(id(obj))
                 if c is None:
-                    c = obj.detach().to(_WIDER.get(obj.dtype, torch.float64), copy=True)
+                    c = obj.detach().to(_wider(obj.dtype), copy=True)
                     memo[id(obj)] = c
                 return c
             if isinstance(obj, (list, tuple)):
