@@ -31,7 +31,27 @@ def low_precision_params(ctx: Context) -> list[Candidate]:
     """The optimizer updates fp16/bf16 parameters directly. Updates smaller than half an ulp of the weight
     round away (bf16 has 8 significant bits: a weight of 1.0 ignores any update below 2**-8 = 0.0039); Adam's
     ``eps=1e-8`` is 0 in fp16 and ``grad**2`` underflows, so ``m / (sqrt(v) + eps)`` divides by zero and the
-    weights become inf/NaN. Mixed precision keeps fp32 master weights for exactly this reason."""
+    weights become inf/NaN. Mixed precision keeps fp32 master weights for exactly this reason.
+
+    **Lost updates anywhere.** Every in-place write into fp16/bf16 module state during the step is checked, not only
+    ``optimizer.step()``: an EMA / teacher update (``p_ema.mul_(0.999).add_(p, alpha=0.001)``), a running statistic
+    in a buffer (``lerp_``, a batch norm's running mean/var), a manual update (``p.data.add_(g, alpha=-lr)``) and the
+    accumulation of ``.grad`` across micro-batches (``AccumulateGrad``'s ``add_``). The trace re-runs each such write
+    on float32 copies and compares: a write is a lost update when more than half of the elements it should change
+    keep their value (the update is below half an ulp of the stored value), or when the update it applies is more
+    than 2x off the exact one, while the fp32 reference's same write (same step, tensor and order) does apply it.
+    Checked step by step (``steps > 1``: a decaying learning rate that makes updates vanish at step 3 is found at
+    step 3). The finding's ``module`` is the module owning the written tensor, ``op`` the write, ``phase`` where it
+    ran (``optimizer`` for code after the backward, ``backward`` for gradient accumulation, ``forward`` for
+    buffers updated in a forward).
+
+    Evidence of a write: ``parameter`` / ``buffer`` / ``grad`` (the tensor's name, under the key of what was
+    written; also ``tensor``), ``written`` (``parameter``, ``buffer`` or ``grad``), ``dtype``, ``step``, ``write``
+    (the how-manieth write to that tensor in the step), ``op``, ``op_module`` (the module whose code ran the write;
+    ``""`` for the training-step code outside every module), ``owner``, ``source`` (``file:line`` of the user's
+    code), ``fraction_lost``, ``moving`` (elements the exact update changes), ``mean_update``, ``applied_ratio``
+    (applied / exact update), ``ulp_at_1``, ``fraction_lost_fp32`` and ``applied_fp32`` (the reference's same write).
+    """
     out: list[Candidate] = []
     seen: set[str] = set()
     # 1) a harmful origin inside the optimizer step on low-precision parameters / state
@@ -167,7 +187,24 @@ def loss_scaling_misuse(ctx: Context) -> list[Candidate]:
     """The GradScaler recipe is applied wrongly: ``scaler.unscale_`` on fp16 gradients (fp16 parameters; the
     scaler refuses: "Attempting to unscale FP16 gradients"), gradients clipped while still multiplied by the
     scale (``clip_grad_norm_`` before ``scaler.unscale_``, so the threshold is effectively divided by the
-    scale), or a scaler that scales a loss already scaled."""
+    scale), or a scaler that scales a loss already scaled.
+
+    **Updates on scaled gradients.** The fp32 reference runs the step with loss scaling off (scaling by a power of
+    two is exact in fp32), so it applies the update the user means. An ``optimizer.step()`` that reads gradients
+    about ``scale`` times (within 2x) the reference's -- ``scaler.scale(loss).backward(); optimizer.step()`` with no
+    ``scaler.step`` -- is an error at the first op of that optimizer step, module ``""``; evidence ``step``,
+    ``grad_norm``, ``grad_norm_fp32``, ``ratio``, ``loss_scale``. A write into a parameter from the training-step code
+    whose update is ``scale`` times the reference's (a manual update reading ``.grad`` before ``unscale_``) is an
+    error at that write, with the write's evidence above plus ``ratio`` and ``loss_scale``. A gradient norm is
+    "clipping before unscale_" only when its value reaches an in-place write (the clip's ``mul_`` of the
+    gradients); a norm computed for logging is not misuse.
+
+    **Attribution of loop code.** Ops run by the training-step code after the backward, outside every module and
+    outside ``optimizer.step`` (clipping, weight averaging, manual updates), belong to module ``""`` with the source
+    line of the user's statement, like loss math before the backward; the module owning a written parameter is in
+    the evidence (``owner``), never the op's module.
+    """
+    # long: the docstring is this code's entry in docs/codes.md
     out: list[Candidate] = []
     exc = ctx.target.exc
     if exc is not None and "unscale FP16 gradients" in str(exc):
