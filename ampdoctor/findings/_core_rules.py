@@ -74,7 +74,8 @@ def scale_explains(ctx: Context, r: OpRecord) -> float | None:
     ref = ctx.ref(r)
     if scale is None or scale <= 1 or ref is None or not math.isfinite(ref.stats.get("absmax", math.inf)):
         return None
-    return scale if ref.stats["absmax"] / scale <= limits(r.dtype)[0] else None
+    # the reference runs at loss scale 1 (precision/_step.prepare): its value is the unscaled gradient
+    return scale if ref.stats["absmax"] <= limits(r.dtype)[0] else None
 
 
 @rule("overflow", severity="error", precedence=40,
@@ -135,7 +136,7 @@ def overflow(ctx: Context) -> list[Candidate]:
             # only the loss scale pushes this gradient over the max: GradScaler skips the step and backs off
             severity = "warning"
             ev["loss_scale"] = scale
-            ev["unscaled_absmax"] = ev["ref_absmax"] / scale
+            ev["unscaled_absmax"] = ev["ref_absmax"]
             expl += (f" The gradient is multiplied by the loss scale {fmt(scale)}; unscaled it is "
                      f"{fmt(ev['unscaled_absmax'])} and fits, so GradScaler skips this step and halves the scale "
                      "(normal while it calibrates; a scale that keeps falling is reported as loss-scale-collapse).")

@@ -88,8 +88,10 @@ def prepare(spec: StepSpec, *, reference: bool, round_to: torch.dtype | None = N
     if reference and scaler is not None and scaler.is_enabled():
         # fp32 needs no loss scaling, and unscaling by a power of two is exact in fp32: the reference runs the
         # step as the user means it, so a step whose updates read still-scaled gradients differs from it by the
-        # scale (loss-scaling-misuse) instead of repeating the mistake
-        scaler = torch.amp.GradScaler(getattr(scaler, "_device", "cuda"), enabled=False)
+        # scale (loss-scaling-misuse) instead of repeating the mistake. The scaler stays enabled at scale 1 (never
+        # grown) so the reference runs the same ops as the target -- ``scaler.scale(loss)`` is still a ``mul`` --
+        # and its records stay aligned with the target's (a disabled scaler drops that op and its backward)
+        scaler = torch.amp.GradScaler(getattr(scaler, "_device", "cuda"), init_scale=1.0, growth_interval=2**30)
     if reference:
         if any(t.is_floating_point() and t.dtype != torch.float32
                for t in list(model.parameters()) + list(model.buffers())):
