@@ -10,6 +10,7 @@ from ampdoctor.findings._buffer_origins import buffer_candidates
 from ampdoctor.findings._clamps import caught_candidates
 from ampdoctor.findings._clamps import handled as caught_handled
 from ampdoctor.findings._common import (
+    CASTS,
     base_evidence,
     bf16_fix,
     dtype_name,
@@ -65,17 +66,29 @@ def _loss_scale_at(ctx: Context, step: int) -> float | None:
     return before[step] if step < len(before) else None
 
 
+def unscaled_absmax(ctx: Context, r: OpRecord, scale: float) -> float | None:
+    """|max| of backward record ``r``'s value without the loss scale ``scale``, or None when nothing tells."""
+    ref = ctx.ref(r)
+    if ref is not None:
+        # the reference runs at loss scale 1 (precision/_step.prepare): its value is the unscaled gradient
+        return ref.stats.get("absmax")
+    if op_base(r.op) in CASTS and r.inputs and r.inputs[0] >= 0:
+        # a cast only the target makes (``out.float()`` is no op in fp32, so its backward cast has no reference
+        # twin): its own wider input is the scaled value it rounds
+        return ctx.records[r.inputs[0]].stats.get("absmax", math.inf) / scale
+    return None
+
+
 def scale_explains(ctx: Context, r: OpRecord) -> float | None:
     """The loss scale when only it pushes backward record ``r`` over the format's max (unscaled, the fp32 value
     fits): GradScaler then skips the step and backs off, which is calibration, not a fault."""
     if r.phase != "backward":
         return None
     scale = _loss_scale_at(ctx, r.step)
-    ref = ctx.ref(r)
-    if scale is None or scale <= 1 or ref is None or not math.isfinite(ref.stats.get("absmax", math.inf)):
+    if scale is None or scale <= 1:
         return None
-    # the reference runs at loss scale 1 (precision/_step.prepare): its value is the unscaled gradient
-    return scale if ref.stats["absmax"] <= limits(r.dtype)[0] else None
+    unscaled = unscaled_absmax(ctx, r, scale)
+    return scale if unscaled is not None and math.isfinite(unscaled) and unscaled <= limits(r.dtype)[0] else None
 
 
 @rule("overflow", severity="error", precedence=40,
@@ -136,7 +149,7 @@ def overflow(ctx: Context) -> list[Candidate]:
             # only the loss scale pushes this gradient over the max: GradScaler skips the step and backs off
             severity = "warning"
             ev["loss_scale"] = scale
-            ev["unscaled_absmax"] = ev["ref_absmax"]
+            ev["unscaled_absmax"] = unscaled_absmax(ctx, r, scale)
             expl += (f" The gradient is multiplied by the loss scale {fmt(scale)}; unscaled it is "
                      f"{fmt(ev['unscaled_absmax'])} and fits, so GradScaler skips this step and halves the scale "
                      "(normal while it calibrates; a scale that keeps falling is reported as loss-scale-collapse).")

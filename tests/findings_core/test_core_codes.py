@@ -465,3 +465,52 @@ def test_mid_training_low_precision_with_adamw_state(precision):
     else:
         assert root.op == "aten.addcdiv_.default" and root.evidence["eps_in_dtype"] == 0.0
     assert {f.code for f in report.findings} <= {"low-precision-params", "overflow"}
+
+
+class _SoftcapHead(nn.Module):
+    """Logits soft-capped in the root module's own code (gemma2-style: ``tanh(x / c) * c``), so the backward of
+    that ``mul`` runs at the root, next to the loss's ``scaler.scale(loss)`` ``mul``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(16, 32)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.relu(self.body(x)))
+        return torch.tanh(logits / 30.0) * 30.0
+
+
+def _diagnose_softcap(loss_factor: float) -> ampdoctor.Report:
+    torch.manual_seed(0)
+    m = _SoftcapHead()
+    with torch.no_grad():
+        m.head.weight.mul_(40.0)                      # logits reach the cap: d(loss)/d(logits) ~ 2 * 30 per element
+
+    def loss_fn(out: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        return out.float().pow(2).sum() * loss_factor  # out.float() is a cast only the fp16 run makes
+
+    return ampdoctor.diagnose(m, torch.randn(8, 16), precision="fp16-amp", loss_fn=loss_fn,
+                              optimizer=torch.optim.SGD(m.parameters(), lr=1e-3), scaler=torch.amp.GradScaler("cpu"))
+
+
+def test_loss_scale_calibration_overflow_at_root_code_is_not_an_error() -> None:
+    """GradScaler's first scale (65536) pushes the gradient into the fp16 logits past fp16's max while the unscaled
+    gradient (~60) fits: calibration (a warning with the scale), never an error. The backward cast of
+    ``out.float()`` has no reference twin (no cast in fp32), and the root's soft-cap ``mul`` sits next to
+    ``scaler.scale(loss)``'s: both need the reference aligned and the cast judged by its own input."""
+    report = _diagnose_softcap(1.0)
+    over = [f for f in report.findings if f.code == "overflow"]
+    assert over, report.codes()                       # the scaled backward really overflows fp16
+    assert all(f.severity == "warning" and f.phase == "backward" and f.evidence.get("loss_scale") == 65536.0
+               for f in over), [(f.severity, f.module, f.op, f.evidence.get("loss_scale")) for f in over]
+    assert over[0].evidence["unscaled_absmax"] < 65504
+    assert not [f for f in report.findings if f.severity == "error"], [(f.code, f.module, f.op)
+                                                                         for f in report.findings]
+
+
+def test_gradient_past_fp16_even_unscaled_is_an_error() -> None:
+    """The twin: the loss is 4000x larger, so the gradient into the fp16 logits is past 65504 without any scale."""
+    f = _diagnose_softcap(4000.0).findings[0]
+    assert (f.code, f.severity, f.module, f.op, f.phase) == ("overflow", "error", "", "aten._to_copy.default",
+                                                             "backward"), (f.code, f.severity, f.module, f.op)
