@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.findings import Finding, Report, analyse, build_context, enrich_all
+from ampdoctor.findings import Evidence, Finding, LayerStat, Report, analyse, build_context, enrich_all
 from ampdoctor.findings import layers as layer_table
 from ampdoctor.precision import (
     NOISE_MARGIN_RMS,
@@ -75,7 +75,7 @@ def diagnose_generate(model: nn.Module, input_ids: torch.Tensor, *, precision: s
                        transforms=transforms)
     first = next((s for s in gen.stats if s.failed), None)
     findings: list[Finding] = []
-    layers: list[dict[str, Any]] = []
+    layers: list[LayerStat] = []
     step_summary: dict[str, Any] = {}
     if first is not None:
         findings, layers, step_summary = _failing_step(model, input_ids, precision, max_new_tokens, policy,
@@ -99,7 +99,7 @@ def diagnose_generate(model: nn.Module, input_ids: torch.Tensor, *, precision: s
 
 def _failing_step(model: nn.Module, input_ids: torch.Tensor, precision: str, max_new_tokens: int, policy: str,
                   transforms: tuple[Any, ...], source: str,
-                  first: DecodeStat) -> tuple[list[Finding], list[dict[str, Any]], dict[str, Any]]:
+                  first: DecodeStat) -> tuple[list[Finding], list[LayerStat], dict[str, Any]]:
     """The first failing decode step re-run under the full op trace (a failing prefill also profiled per position):
     its findings, per-layer table and summary entries."""
     with saved_rng():
@@ -130,7 +130,7 @@ def _generation_summary(gen: Generation, max_new_tokens: int, first: DecodeStat 
 
 
 def _step_findings(model: nn.Module, precision: str, source: str, first: DecodeStat, again: Generation,
-                   curves: dict[str, list[float]]) -> tuple[list[Finding], list[dict[str, Any]], dict[str, Any]]:
+                   curves: dict[str, list[float]]) -> tuple[list[Finding], list[LayerStat], dict[str, Any]]:
     """The op-level findings of the failing decode step, each carrying where in the generation it happened.
 
     ``curves`` (per module, |max| per position of the prefill) place a prefill finding within the prompt."""
@@ -149,7 +149,7 @@ def _step_findings(model: nn.Module, precision: str, source: str, first: DecodeS
         pos = first.position if pos is None else pos
         ev = {**f.evidence, **where, "position": pos, "cache": cache}
         title = f"decode step {first.step} (position {pos}): {f.title}"
-        out.append(replace(f, evidence=ev, title=title))
+        out.append(replace(f, evidence=Evidence.of(ev), title=title))
     if not any(f.severity == "error" for f in out):
         out.insert(0, _divergence_finding(first, where))
     records = ctx.records

@@ -53,6 +53,7 @@ LONG_ALLOWED: dict[str, str] = {}
 DOCTEST_MODULES = (
     "ampdoctor",
     "ampdoctor.errors",
+    "ampdoctor.findings._payloads",
     "ampdoctor.findings._types",
     "ampdoctor.precision._cuda_policy",
     "ampdoctor.precision.emulation",

@@ -19,6 +19,7 @@ from ampdoctor.findings import (  # noqa: F401  (importing a rule module registe
 from ampdoctor.findings._context import Context, build_context, group_by_owner
 from ampdoctor.findings._crash import attach_exception
 from ampdoctor.findings._knowledge import enrich_all
+from ampdoctor.findings._payloads import Evidence, LayerStat
 from ampdoctor.findings._ranks import agree
 from ampdoctor.findings._registry import CODE_INFO, RULES, Candidate, CodeInfo, Order, Stage, at, codes_markdown, rule
 from ampdoctor.findings._remedies import REMEDIES, Remedy, remedies_for
@@ -69,8 +70,10 @@ __all__ = [
     "Candidate",
     "CodeInfo",
     "Context",
+    "Evidence",
     "Finding",
     "FixProposal",
+    "LayerStat",
     "Order",
     "Remedy",
     "Report",

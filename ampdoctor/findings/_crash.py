@@ -72,7 +72,7 @@ def attach_exception(findings: list[Finding], ctx: Context) -> list[Finding]:
         txt = (f" The {ctx.spec.precision or 'as-given'} run then raised {ev['type']} in {ev['op'] or 'the step'} "
                f"of {ev['module'] or '<root>'} (step {ev['step']}): \"{ev['message']}\""
                + (f"; its inputs: {ins}." if ins else "."))
-        out[i] = dataclasses.replace(f, evidence=dict(f.evidence, exception=ev),
+        out[i] = dataclasses.replace(f, evidence=f.evidence.replace(exception=ev),
                                      explanation=f.explanation + txt)
         break
     return out

@@ -153,8 +153,7 @@ def enrich(finding: Finding, model: Any, precision: str | None = None) -> Findin
             if f.title not in titles:
                 titles.add(f.title)
                 fixes.append(f)
-    evidence = dict(finding.evidence)
-    evidence["known_mechanisms"] = [m.key for m in mechs]
+    evidence = finding.evidence.replace(known_mechanisms=[m.key for m in mechs])
     return dataclasses.replace(finding, explanation=text, fixes=tuple(fixes), evidence=evidence)
 
 

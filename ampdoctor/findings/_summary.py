@@ -10,6 +10,7 @@ import torch
 
 from ampdoctor.findings._common import dtype_name, limits
 from ampdoctor.findings._context import Context, chain_summary
+from ampdoctor.findings._payloads import LayerStat
 from ampdoctor.trace import is_nonfinite
 
 
@@ -55,7 +56,7 @@ def summary(ctx: Context, findings: list[Any], elapsed: float) -> dict[str, Any]
     return s
 
 
-def layers(ctx: Context) -> list[dict[str, Any]]:
+def layers(ctx: Context) -> list[LayerStat]:
     """Per module and phase: the op with the largest |max| in the target, against the reference."""
     best: dict[tuple[str, str], Any] = {}
     order: dict[tuple[str, str], int] = {}
@@ -82,14 +83,14 @@ def layers(ctx: Context) -> list[dict[str, Any]]:
         flush = 0.0
         if ref is not None:
             flush = max(0.0, (r.stats["n_zero"] - ref.stats["n_zero"]) / numel)
-        out.append({
+        out.append(LayerStat.of({
             "module": r.module, "depth": order[key], "phase": r.phase, "op": r.op, "dtype": dtype_name(r.dtype),
             "ref_absmax": ref.stats["absmax"] if ref is not None else None, "target_absmax": amax,
             "min_nonzero": r.stats["min_nonzero"] if math.isfinite(r.stats["min_nonzero"]) else None,
             "flush_fraction": flush, "rel_error": rel,
             "nonfinite": int(r.stats["n_nan"] + r.stats["n_posinf"] + r.stats["n_neginf"]),
             "format_max": limits(r.dtype)[0],
-        })
+        }))
     return out
 
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from ampdoctor.findings._payloads import Evidence, LayerStat, layer_stats
+
 
 class _StrEnum(str, Enum):
     """A string-valued enum that is its value everywhere a string is: ``==``, hashing, ``str``, f-strings, JSON."""
@@ -73,7 +75,7 @@ def _jsonable(value: Any) -> Any:
         if math.isinf(value):
             return "inf" if value > 0 else "-inf"
         return value
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
@@ -118,12 +120,13 @@ class Finding:
     ``module`` is the qualified name as in ``model.named_modules()`` (``""`` for the root or none), ``op``
     the aten overload (``"aten.pow.Tensor_Scalar"``) or ``""``, ``phase`` a :class:`Phase`, ``severity`` a
     :class:`Severity` (both also accepted as their string values, and equal to them).
-    ``evidence`` holds the numbers behind the explanation.
+    ``evidence`` holds the numbers behind the explanation: an :class:`Evidence` (any mapping given is turned
+    into one), read as a mapping (``evidence["ref_absmax"]``) or through its typed fields (``evidence.ref_absmax``).
 
     >>> f = Finding("overflow", "error", "fc1", "aten.addmm.default", "forward", "fc1 overflows float16",
     ...             "fc1's matmul exceeds 65504", {"format_max": 65504.0, "ref_absmax": 1.2e5})
-    >>> f.severity == "error", f.phase, f.to_dict()["evidence"]["ref_absmax"]
-    (True, <Phase.FORWARD: 'forward'>, 120000.0)
+    >>> f.severity == "error", f.phase, f.to_dict()["evidence"]["ref_absmax"], f.evidence.format_max
+    (True, <Phase.FORWARD: 'forward'>, 120000.0, 65504.0)
     >>> Finding("not-a-code", "error", "", "", "forward", "", "")
     Traceback (most recent call last):
     ...
@@ -137,12 +140,12 @@ class Finding:
     phase: Phase
     title: str
     explanation: str
-    evidence: dict[str, Any] = field(default_factory=dict)
+    evidence: Evidence = field(default_factory=Evidence)
     fixes: tuple[FixProposal, ...] = ()
     step: int = 0
 
     def __init__(self, code: str, severity: Severity | str, module: str, op: str, phase: Phase | str, title: str,
-                 explanation: str, evidence: dict[str, Any] | None = None, fixes: tuple[FixProposal, ...] = (),
+                 explanation: str, evidence: Mapping[str, Any] | None = None, fixes: tuple[FixProposal, ...] = (),
                  step: int = 0) -> None:
         if code not in CODES:
             raise ValueError(f"unknown finding code {code!r}; expected one of {', '.join(CODES)}")
@@ -151,7 +154,7 @@ class Finding:
         if phase not in PHASES:
             raise ValueError(f"invalid phase {phase!r}, expected one of {PHASES}")
         values = {"code": code, "severity": Severity(severity), "module": module, "op": op, "phase": Phase(phase),
-                  "title": title, "explanation": explanation, "evidence": {} if evidence is None else evidence,
+                  "title": title, "explanation": explanation, "evidence": Evidence.of(evidence),
                   "fixes": fixes, "step": step}
         for name, value in values.items():
             object.__setattr__(self, name, value)
@@ -276,7 +279,8 @@ class Report:
 
     ``findings[0]`` is the root cause. ``ok`` is true iff no finding has severity ``"error"``.
     ``summary`` carries run facts (precision, losses of target and reference, chronological first
-    non-finite op, first NaN, lineage chain) and ``layers`` per-module range statistics for plots.
+    non-finite op, first NaN, lineage chain) and ``layers`` per-module range statistics for plots
+    (:class:`LayerStat` rows as built; any mappings as given; :attr:`layer_stats` reads them typed).
 
     >>> f = Finding("overflow", "error", "fc1", "aten.addmm.default", "forward", "fc1 overflows float16", "")
     >>> report = Report((f,), precision="fp16")
@@ -289,7 +293,7 @@ class Report:
     findings: tuple[Finding, ...] = ()
     precision: str | None = None
     summary: dict[str, Any] = field(default_factory=dict)
-    layers: tuple[dict[str, Any], ...] = ()
+    layers: tuple[Mapping[str, Any], ...] = ()
     source: str = ""
 
     @property
@@ -300,6 +304,11 @@ class Report:
     def run(self) -> RunSummary:
         """The common run facts of :attr:`summary`, typed (what renderers read)."""
         return RunSummary.of(self.summary, self.precision)
+
+    @property
+    def layer_stats(self) -> tuple[LayerStat, ...]:
+        """:attr:`layers` as typed rows (what renderers read); entries that are not mappings are skipped."""
+        return layer_stats(self.layers)
 
     @property
     def root_cause(self) -> Finding | None:
@@ -353,6 +362,6 @@ class Report:
             findings=findings,
             precision=data.get("precision"),
             summary=dict(data.get("summary", {})),
-            layers=tuple(data.get("layers", [])),
+            layers=tuple(LayerStat.of(x) if isinstance(x, Mapping) else x for x in data.get("layers", [])),
             source=data.get("source", ""),
         )

@@ -1,7 +1,8 @@
 """Reading a :class:`~ampdoctor.findings.Report` defensively, shared by the terminal and HTML renderers.
 
-``Report.summary`` and ``Report.layers`` are free-form dicts; after a JSON round trip non-finite numbers are the
-strings ``"inf"``, ``"-inf"`` and ``"nan"``. Everything here accepts missing keys and either spelling of a number.
+The common facts come typed (``Report.run``, ``Report.layer_stats``, ``Finding.evidence``); what is left here
+formats numbers (either spelling: after a JSON round trip non-finite numbers are the strings ``"inf"``, ``"-inf"``
+and ``"nan"``) and reads the rule-specific summary keys (chain, scales) that have no typed field.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ampdoctor.findings import FixProposal, Report, RunSummary, Site
+from ampdoctor.findings import FixProposal, LayerStat, Report, RunSummary, Site
 from ampdoctor.trace import dtype_info
 
 #: Horizontal reference lines of the range plot: (label, value).
@@ -149,35 +150,33 @@ def _margin(fmax: float | None, ref: float | None, target: float | None) -> floa
     return None
 
 
-def _layer_format_max(raw: Mapping[str, Any], dtype: str) -> float | None:
-    """The layer's own ``format_max`` when it carries one, else the max of its ``dtype``."""
-    fmax = finite(raw.get("format_max"))
+def _layer_format_max(row: LayerStat, dtype: str) -> float | None:
+    """The layer's own ``format_max`` when it carries a finite positive one, else the max of its ``dtype``."""
+    fmax = finite(row.format_max)
     return fmax if fmax is not None and fmax > 0 else format_max(dtype)
 
 
 def layer_rows(report: Report) -> list[LayerRow]:
     rows = []
-    for i, raw in enumerate(report.layers or ()):
-        if not isinstance(raw, Mapping):
+    for i, entry in enumerate(report.layers or ()):  # i: the fallback depth, the entry's place in the table
+        if not isinstance(entry, Mapping):
             continue
-        dtype = canonical_dtype(raw.get("dtype"))
-        ref, target = to_float(raw.get("ref_absmax")), to_float(raw.get("target_absmax"))
-        depth = raw.get("depth")
-        nonfinite = raw.get("nonfinite")
+        raw = LayerStat.of(entry)
+        dtype = canonical_dtype(raw.dtype)
         rows.append(
             LayerRow(
-                module=str(raw.get("module", "")),
-                depth=depth if isinstance(depth, int) and not isinstance(depth, bool) else i,
-                phase=str(raw.get("phase", "") or ""),
-                op=str(raw.get("op", "") or ""),
+                module=raw.module or "",
+                depth=raw.depth if raw.depth is not None else i,
+                phase=raw.phase or "",
+                op=raw.op or "",
                 dtype=dtype,
-                ref_absmax=ref,
-                target_absmax=target,
-                min_nonzero=to_float(raw.get("min_nonzero")),
-                flush_fraction=to_float(raw.get("flush_fraction")),
-                rel_error=to_float(raw.get("rel_error")),
-                nonfinite=nonfinite if isinstance(nonfinite, int) and not isinstance(nonfinite, bool) else 0,
-                margin_bits=_margin(_layer_format_max(raw, dtype), ref, target),
+                ref_absmax=raw.ref_absmax,
+                target_absmax=raw.target_absmax,
+                min_nonzero=raw.min_nonzero,
+                flush_fraction=raw.flush_fraction,
+                rel_error=raw.rel_error,
+                nonfinite=raw.nonfinite or 0,
+                margin_bits=_margin(_layer_format_max(raw, dtype), raw.ref_absmax, raw.target_absmax),
             )
         )
     rows.sort(key=lambda r: (r.depth, r.phase != "forward"))

@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ampdoctor.findings import Finding, FixProposal, Report, group_by_owner
+from ampdoctor.findings import Evidence, Finding, FixProposal, Report, group_by_owner
 from ampdoctor.watch._detectors import ScaleHealth
 from ampdoctor.watch._options import WatchOptions
 from ampdoctor.watch._record import Coverage, LostUpdates, StepRecord
@@ -160,7 +160,7 @@ def with_health(findings: list[Finding], health: Finding | None) -> list[Finding
         return findings
     episodes = [f for f in findings if f.code == "loss-scale-collapse"]
     base = dict(episodes[-1].evidence) if episodes else {}
-    ev = {**base, **health.evidence, "episodes": [dict(f.evidence) for f in episodes][:8]}
+    ev = Evidence.of({**base, **health.evidence, "episodes": [dict(f.evidence) for f in episodes][:8]})
     return [dataclasses.replace(health, evidence=ev)] + [f for f in findings if f.code != "loss-scale-collapse"]
 
 
@@ -321,7 +321,7 @@ def with_ranks(findings: Sequence[Finding], ranks: dict[str, Any]) -> list[Findi
         out, done = [], False
         for f in findings:
             if not done and f.code in NONFINITE_CODES:
-                f, done = dataclasses.replace(f, evidence={**f.evidence, **base, "local": True}), True
+                f, done = dataclasses.replace(f, evidence=f.evidence.replace(**base, local=True)), True
             out.append(f)
         return out
     events = ranks.get("rank_events", [])
@@ -375,8 +375,8 @@ def merge_replay(own: Sequence[Finding], replay: Report | None) -> list[Finding]
         if f.code == "overflow" and not f.module and not f.op and explained:
             continue
         if f.code == "loss-scale-collapse" and origin is not None and not f.module and not f.op:
-            ev = dict(f.evidence, origin={"code": origin.code, "module": origin.module, "op": origin.op,
-                                          "phase": origin.phase})
+            ev = f.evidence.replace(origin={"code": origin.code, "module": origin.module, "op": origin.op,
+                                            "phase": origin.phase})
             f = dataclasses.replace(f, module=origin.module, op=origin.op, evidence=ev,
                                     explanation=f"{f.explanation} The replay locates the origin: {origin.code} in "
                                                 f"{origin.module or '<root>'} ({origin.op or 'op unknown'}).")
