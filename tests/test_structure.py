@@ -60,6 +60,7 @@ DOCTEST_MODULES = (
     "ampdoctor.precision.fp8",
     "ampdoctor.scenarios",
     "ampdoctor.trace",
+    "ampdoctor.trace._autocast",
     "ampdoctor.trace._dtypes",
     "ampdoctor.trace._ops",
     "ampdoctor.watch",

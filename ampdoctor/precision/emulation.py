@@ -35,7 +35,8 @@ Design
       without autocast, as CUDA's autocast kernels do.
     * C++ composite ops (``torch.square`` -> ``pow``, ``F.cross_entropy`` -> ``log_softmax`` + ``nll_loss``,
       ``torch.linalg.norm`` -> ``linalg_vector_norm`` ...) decompose below ``__torch_function__``; CUDA autocast casts
-      their inner ops. :data:`COMPOSITE_POLICY` gives them the policy of their first inner op (measured: see
+      their inner ops. The op registry's composites (``ampdoctor.trace.declare_composite``, read here as
+      ``COMPOSITE_POLICY``) give them the policy of their first inner op (measured: see
       ``tests/precision/test_emulation.py``, which compares against torch's own CUDA autocast kernels run on fake
       CUDA tensors).
     * Not modelled: the cast cache (numerically irrelevant), ops called from C++ extensions or TorchScript (they
@@ -68,7 +69,12 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampdoctor.errors import ScenarioError
-from ampdoctor.precision._cuda_policy import BANNED_MESSAGE, CUDA_OVERLOADS, CUDA_POLICY
+from ampdoctor.precision._cuda_policy import (
+    BANNED_MESSAGE,
+    COMPOSITE_POLICY,
+    CUDA_OVERLOADS,
+    CUDA_POLICY,
+)
 from ampdoctor.trace import DUNDERS, HALF_DTYPES, Kind, ops_with
 
 log = logging.getLogger(__name__)
@@ -78,30 +84,6 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = HALF_DTYPES
 
 #: Torch-level dunders and their aten op (the op registry's; in-place dunders map to in-place ops, never autocast).
 DUNDER_OPS: dict[str, str] = DUNDERS
-
-#: C++ composite ops (CompositeImplicitAutograd) whose decomposition starts with an autocast op: on CUDA that inner
-#: op is cast, so they take its policy here. Keys are the names torch-level callables carry.
-COMPOSITE_POLICY: dict[str, str] = {
-    # aliases
-    "arccos": "fp32", "arcsin": "fp32", "arctan2": "promote", "special_expm1": "fp32", "special_log1p": "fp32",
-    "special_erfinv": "fp32", "special_logsumexp": "fp32", "special_softmax": "fp32_set_opt_dtype",
-    "special_log_softmax": "fp32_set_opt_dtype", "matrix_power": "lower",
-    # decompositions: square -> pow; linalg_norm -> linalg_vector_norm / linalg_matrix_norm;
-    # nll_loss_nd -> nll_loss / nll_loss2d (cross_entropy_loss: see COMPOSITE_EMULATORS)
-    "square": "fp32", "linalg_norm": "fp32_set_opt_dtype", "nll_loss_nd": "fp32",
-    "sum_to_size": "fp32", "norm_except_dim": "fp32",
-    # approximate (see APPROXIMATE_COMPOSITES): the inner fp32 op is not the first one
-    "pairwise_distance": "fp32", "trapezoid": "fp32", "trapz": "fp32", "cumulative_trapezoid": "fp32",
-    # RNN layers on CUDA run cuDNN's _cudnn_rnn, which cudnn/AutocastRNN.cpp casts to lower precision
-    "lstm": "lower", "gru": "lower", "rnn_tanh": "lower", "rnn_relu": "lower",
-}
-
-#: Composites whose fp32 op comes after elementwise ops (``pairwise_distance`` = ``norm(x1 - x2 + eps)``,
-#: ``trapezoid`` = ``sum(dx * (y[1:] + y[:-1]) / 2)``): on CUDA those first ops run in the input dtype, here in
-#: float32. Output dtypes agree; the emulation is slightly more accurate than CUDA for these ops.
-APPROXIMATE_COMPOSITES: frozenset[str] = frozenset({"pairwise_distance", "trapezoid", "trapz", "cumulative_trapezoid"})
-
-
 
 def _cross_entropy_loss(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
                         reduction: int = 1, ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:

@@ -30,6 +30,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampdoctor.trace._autocast import (
+    AUTOCAST,
+    AUTOCAST_DEVICES,
+    AUTOCAST_POLICIES,
+    CUDA_CUDNN_ONLY,
+    AutocastClass,
+    AutocastPolicy,
+    autocast_class,
+    declare_autocast,
+    declare_composite,
+)
 from ampdoctor.trace._dtypes import (
     DTYPES,
     FP8_DTYPES,
@@ -84,6 +95,15 @@ __all__ = [
     "unit_roundoff",
     "OPS",
     "DUNDERS",
+    "AUTOCAST",
+    "AUTOCAST_DEVICES",
+    "AUTOCAST_POLICIES",
+    "CUDA_CUDNN_ONLY",
+    "AutocastClass",
+    "AutocastPolicy",
+    "autocast_class",
+    "declare_autocast",
+    "declare_composite",
     "Bound",
     "Family",
     "Kind",

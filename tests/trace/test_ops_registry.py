@@ -101,11 +101,9 @@ def test_kinds_are_unchanged_by_literal_only_declarations() -> None:
 # ------------------------------------------------------------------------------------ one registry: a source scan
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "ampdoctor"
 #: the modules that declare op and dtype knowledge
-REGISTRIES = {"trace/_ops.py", "trace/_dtypes.py"}
+REGISTRIES = {"trace/_ops.py", "trace/_dtypes.py", "trace/_autocast.py"}
 #: ``module: why`` for the loose tables that remain (only shrinks)
 SCAN_ALLOWED: dict[str, str] = {
-    "precision/emulation.py": "CUDA autocast composite policies (COMPOSITE_POLICY, APPROXIMATE_COMPOSITES): autocast "
-                              "data kept beside precision/_cuda_policy.py, which is checked against the dispatcher",
     "findings/_training_rules.py": "updates (issue 13): the clip-norm and scale-division op tuples of its rules",
 }
 _FLOAT_DTYPES = {n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)
