@@ -11,6 +11,13 @@ Mechanism -> code: clipped values with a scale tensor or number feeding the cast
 wrong for the data: stale, or from another tensor); clipped values without any scale are ``overflow`` (the data
 does not fit the format at all); more than half of the nonzero values flushed to 0 is ``underflow``. Evidence
 carries the unscaled |max| (``amax``), the ``scale`` used, and the scale that would fit, ``fmax / amax``.
+
+Delayed scaling (the Transformer-Engine recipe: ``scale = fmax / max(amax_history) / 2**margin``, the history
+updated after the cast) is recognised by lineage, not by names: the scale tensor the cast's multiplication reads was
+produced in an *earlier step* (a buffer or attribute written then, not recomputed from the data now). When such a
+cast clips, the values grew past what the older amax allowed; the evidence adds the step the scale was computed in,
+the amax it was computed from (the reduction feeding it, when traced), the largest |x| the stale scale represents
+(``fmax / scale``) and the margin that would have fit.
 ampdoctor's own fp8 emulation (precision ``"fp8*"``) is reported from its per-layer statistics instead.
 """
 
@@ -24,11 +31,22 @@ from ampdoctor.findings._common import CASTS, base_evidence, dtype_name, finite,
 from ampdoctor.findings._context import Context
 from ampdoctor.findings._registry import Candidate
 from ampdoctor.findings._types import Finding, FixProposal
-from ampdoctor.trace import FP8_DTYPES, OpRecord, Role, dtype_info, op_info
+from ampdoctor.trace import FP8_DTYPES, Kind, OpRecord, Role, dtype_info, op_info, ops_with
 
 FP8 = frozenset(dtype_name(d) for d in FP8_DTYPES)
 #: a cast that flushes more than this fraction of its nonzero input values is an underflow
 FLUSH_FRACTION = 0.5
+#: ops that hand the scale on unchanged (a view, a copy, a cast of the stored scale) on the way to the multiplication
+_PASS_ON = ops_with(Kind.SAME_ELEMENTS) | ops_with(Kind.CAST)
+
+
+@dataclass(frozen=True)
+class DelayedScale:
+    """The scale a cast reads was produced in an earlier step: ``written`` made it, ``history_amax`` is the |max| of
+    the reduction it was computed from (``None`` when none is traced)."""
+
+    written: OpRecord
+    history_amax: float | None
 
 
 @dataclass(frozen=True)
@@ -50,6 +68,7 @@ class Fp8Cast:
     n_flushed: int
     nonzero: int
     consumer: OpRecord | None
+    delayed: DelayedScale | None = None
 
     @property
     def clipped(self) -> bool:
@@ -63,6 +82,55 @@ class Fp8Cast:
     def fitting_scale(self) -> float | None:
         """The multiplier that maps the data's |max| onto the format's max (``fmax / amax``)."""
         return self.fmax / self.amax if self.amax > 0 and math.isfinite(self.amax) else None
+
+    @property
+    def scale_max(self) -> float | None:
+        """The largest unscaled |x| the scale maps into the format: ``fmax / scale`` (``fmax * divisor``)."""
+        if self.scale is None or not self.scale or not math.isfinite(self.scale):
+            return None
+        return self.fmax * self.scale if self.scale_applied_as == "div" else self.fmax / self.scale
+
+    @property
+    def fitting_margin(self) -> int | None:
+        """The smallest ``m`` such that the stale scale divided by ``2**m`` fits the data (delayed scaling)."""
+        top = self.scale_max
+        if top is None or top <= 0 or not math.isfinite(self.amax) or self.amax <= top:
+            return None
+        return math.ceil(math.log2(self.amax / top))
+
+
+def _delayed(ctx: Context, cast: OpRecord, sc: OpRecord | None) -> DelayedScale | None:
+    """The scale record ``sc`` (walked up through views, copies and casts made this step) was produced in a step
+    before the cast's: delayed scaling. Its history amax: the nearest reduction feeding it in that step (the
+    max over the history, or the amax written into a one-entry history)."""
+    recs = ctx.records
+    for _ in range(4):
+        if sc is None or sc.step < cast.step:
+            break
+        ins = [recs[i] for i in sc.inputs if i >= 0]
+        if sc.kind != "op" or op_base(sc.op) not in _PASS_ON or len(ins) != 1:
+            return None
+        sc = ins[0]
+    if sc is None or sc.step >= cast.step:
+        return None
+    seen, todo = {sc.index}, [sc]
+    for _ in range(64):  # breadth first, within the scale's own step
+        if not todo:
+            break
+        x = todo.pop(0)
+        if x is not sc and x.kind == "op" and _reduces(recs, x):
+            return DelayedScale(sc, x.stats.get("absmax"))
+        for i in x.inputs:
+            if i >= 0 and i not in seen and recs[i].step == sc.step:
+                seen.add(i)
+                todo.append(recs[i])
+    return DelayedScale(sc, None)
+
+
+def _reduces(recs: list[OpRecord], x: OpRecord) -> bool:
+    """``x`` holds fewer elements than an input it reads (an amax, a max over the history)."""
+    n = x.stats.get("numel", 0)
+    return any(i >= 0 and recs[i].stats.get("numel", 0) > n for i in x.inputs)
 
 
 def overflow_threshold(dtype: str) -> float:
@@ -114,7 +182,7 @@ def fp8_casts(ctx: Context) -> list[Fp8Cast]:
         nonzero = int(ss["numel"] - ss["n_zero"])
         out.append(Fp8Cast(r, src, limits(dt)[0], overflow_threshold(dt), amax, ss["absmax"], scale, how, sc_rec,
                            int(n_bad + s.get("n_at_max", 0)), became, int(max(s["n_zero"] - ss["n_zero"], 0)),
-                           nonzero, _consumer(recs, r)))
+                           nonzero, _consumer(recs, r), _delayed(ctx, r, sc_rec)))
     return out
 
 
@@ -136,7 +204,30 @@ def cast_evidence(c: Fp8Cast) -> dict[str, Any]:
     if c.scale_op is not None:
         ev["scale_source"] = {"op": c.scale_op.op or c.scale_op.kind, "module": c.scale_op.module,
                               "numel": int(c.scale_op.stats.get("numel", 0))}
+    d = c.delayed
+    if d is not None:
+        ev["delayed_scaling"] = {"scale_step": d.written.step, "steps_old": r.step - d.written.step,
+                                 "written_by": {"op": d.written.op or d.written.kind, "module": d.written.module,
+                                                "phase": d.written.phase, "step": d.written.step},
+                                 "history_amax": d.history_amax, "scale_max": c.scale_max,
+                                 "amax_growth": c.amax / d.history_amax if d.history_amax else None,
+                                 "fitting_margin": c.fitting_margin}
     return ev
+
+
+def _delayed_text(c: Fp8Cast) -> str:
+    d = c.delayed
+    if d is None:
+        return ""
+    held = f" (|max| {fmt(d.history_amax)})" if d.history_amax is not None else ""
+    grew = f", {c.amax / d.history_amax:.3g}x the amax the history held" if d.history_amax else ""
+    m = c.fitting_margin
+    fit = (f" dividing this scale by a further 2**{m} (a margin), or computing it from the current amax, would fit"
+           if m is not None else "")
+    return (f" Delayed scaling: the scale was computed from an older amax{held}, written by {d.written.op} in "
+            f"{d.written.module or '<root>'} at step {d.written.step}; it represents values up to "
+            f"|{fmt(c.scale_max or math.nan)}|, and at step {c.record.step} the data reach |{fmt(c.amax)}|{grew}:"
+            f"{fit or ' the scale is stale'}.")
 
 
 def _scale_text(c: Fp8Cast) -> str:
@@ -160,13 +251,23 @@ def fmt_scale(v: float) -> float:
 
 
 def _fixes(c: Fp8Cast) -> tuple[FixProposal, ...]:
+    if c.delayed is not None:
+        m = c.fitting_margin or 1
+        delayed = (FixProposal(f"delayed scaling: divide the scale by a further 2**{m} (or more) so the values may "
+                               "grow between steps, and take the max over the amax history",
+                               f"scale = fmax / amax_history.max() / 2 ** (margin + {m})", params={"margin": m}),)
+        return delayed + _current_fixes(c)
+    return _current_fixes(c) + (
+        FixProposal("with delayed scaling, take the max over a longer amax history and add a margin (scale / 2**m)"),)
+
+
+def _current_fixes(c: Fp8Cast) -> tuple[FixProposal, ...]:
     return (
         FixProposal("compute the scale from the tensor being cast (current scaling), with a floor on amax",
                     "amax = x.abs().amax().float().clamp(min=1e-12)\n"
                     f"scale = torch.finfo(torch.{dtype_name(c.record.dtype)}).max / amax\n"
                     f"q = (x * scale).to(torch.{dtype_name(c.record.dtype)})",
                     params={"fitting_scale": c.fitting_scale}),
-        FixProposal("with delayed scaling, take the max over a longer amax history and add a margin (scale / 2**m)"),
         FixProposal("saturate explicitly before the cast, so no kernel turns out-of-range values into NaN/inf",
                     f"q = (x * scale).clamp(-{fmt(c.fmax)}, {fmt(c.fmax)}).to(torch.{dtype_name(c.record.dtype)})"),
     )
@@ -182,9 +283,12 @@ def clip_candidates(ctx: Context, code: str) -> list[Candidate]:
         expl = (f"{where(r)} casts values up to |{fmt(c.scaled_absmax)}| into {dt}, whose max is {fmt(c.fmax)} "
                 f"(anything above {fmt(c.threshold)} is out of range): {c.n_clipped} value(s) end at or beyond the max "
                 f"and become {c.became} (a cast neither scales nor reports: torch saturates e4m3fn on CPU, e5m2 "
-                f"gives inf, some kernels give NaN); {_scale_text(c)}.{_fit_text(c)}")
+                f"gives inf, some kernels give NaN); {_scale_text(c)}.{_fit_text(c)}{_delayed_text(c)}")
         title = (f"fp8 cast clips at {fmt(c.fmax)} in {r.module or '<root>'}: the scale does not fit the data"
                  if c.scale is not None else f"values overflow {dt} in a cast in {r.module or '<root>'}")
+        if c.delayed is not None:
+            title = (f"fp8 cast clips at {fmt(c.fmax)} in {r.module or '<root>'} at step {r.step}: delayed scaling "
+                     f"with a stale amax (scale from step {c.delayed.written.step})")
         out.append(Candidate(Finding(code, "error", r.module, r.op, r.phase, title, expl, cast_evidence(c),
                                      _fixes(c), r.step), r.index))
     return out
@@ -221,5 +325,5 @@ def without_fp8_casts(ctx: Context, origins: list[Any]) -> list[Any]:
     return [o for o in origins if o[0].index not in done]
 
 
-__all__ = ["FP8", "Fp8Cast", "cast_evidence", "clip_candidates", "flush_candidates", "fp8_casts", "handled",
-           "overflow_threshold", "without_fp8_casts"]
+__all__ = ["FP8", "DelayedScale", "Fp8Cast", "cast_evidence", "clip_candidates", "flush_candidates", "fp8_casts",
+           "handled", "overflow_threshold", "without_fp8_casts"]

@@ -274,7 +274,12 @@ def fp8_scale(ctx: Context) -> list[Candidate]:
     the user's own code (``(x * s).to(f8)``, ``x / s``, the operands of ``torch._scaled_mm``) whose scaled input
     exceeds the format's max plus half its spacing is this error at the cast; evidence: ``amax`` (of the data
     before the scale), ``scale``, ``scale_applied_as`` (mul/div), ``scaled_absmax``, ``fitting_scale`` (fmax /
-    amax), ``n_clipped``, ``out_of_range_becomes`` (saturated, inf or NaN, as the output shows), ``consumer``."""
+    amax), ``n_clipped``, ``out_of_range_becomes`` (saturated, inf or NaN, as the output shows), ``consumer``.
+    Delayed scaling is told by lineage: when the scale tensor the cast reads was produced in an earlier step (a
+    buffer written after last step's cast), ``delayed_scaling`` adds ``scale_step``, ``written_by``,
+    ``history_amax`` (the amax the scale came from), ``scale_max`` (the largest |x| the stale scale represents),
+    ``amax_growth`` and ``fitting_margin`` (the further ``2**m`` that fits); the finding's ``step`` is the first
+    step that clips."""
     out: list[Candidate] = _emulated_fp8(ctx) + clip_candidates(ctx, "fp8-scale")  # + the user's own fp8 casts
     recs = ctx.records
     for o in ctx.harmful_origins():
