@@ -100,6 +100,29 @@ def _low_precision_names(spec: StepSpec) -> set[str]:
     return {names[id(p)] for p in spec.model.parameters() if p.requires_grad and (cast or p.dtype in low)}
 
 
+def _measured_writes(spec: StepSpec, reference: bool, mode: Any) -> Any:
+    """Which writes into module state the trace measures (``WriteLog.measure``; None: all).
+
+    The analysis reads an ``optimizer.step`` write only where the target stores the state in 16 bits (a lost
+    update needs a 16-bit write; the reference's twin of it tells whether fp32 loses it too). So inside
+    ``optimizer.step`` the target measures its 16-bit writes and the reference the writes into state the target
+    holds in 16 bits; the others are logged unmeasured, saving per write an old-value copy and a re-run on copies
+    of every input one format wider -- at an AdamW step the parameter, both moments and the denominator in
+    float64 (on a 750M-parameter step, most of the reference run's optimizer time and the bf16-amp peak memory).
+    Writes outside ``optimizer.step`` (model code, loop code, gradient accumulation) and writes into the root
+    module's own state are always measured: the loss-scaling rule reads them. With transforms (a fix being
+    verified) or a user ``train_step`` the target's dtypes are not known before it runs: the reference measures
+    every write."""
+    if reference and (spec.transforms or spec.train_step is not None):
+        return None
+    if reference:
+        cast = spec.precision in LOW_DTYPES
+        state = list(spec.model.named_parameters()) + list(spec.model.named_buffers())
+        low = {n for n, t in state if t.is_floating_point() and (cast or t.dtype in HALF_DTYPES)}
+        return lambda t, meta: not mode.in_optimizer or not meta[2] or meta[1] in low
+    return lambda t, meta: not mode.in_optimizer or not meta[2] or t.dtype in HALF_DTYPES
+
+
 class _TraceObserver(Observer):
     """The diagnosis's observer: the op-level trace, gradient coverage, lost updates and the loss/output marks."""
 
@@ -108,6 +131,7 @@ class _TraceObserver(Observer):
         self.spec, self.result, self.opt = spec, result, opt
         self.tr = Trace(model, opt, full=True)
         self.tr.mode.headroom = headroom
+        self.tr.mode.writes.measure = _measured_writes(spec, prep.reference, self.tr.mode)
         self.names = self.tr.attribution.param_names
         self.owners = self.tr.attribution.param_owner
         self.model = model
@@ -213,6 +237,7 @@ class _TraceObserver(Observer):
                         ps.grad_zero = next(it)
         self.tr.on_optimizer_pre.clear()
         self.tr.on_optimizer_post.clear()
+        self.tr.mode.writes.measure = None  # closes over the mode: the same cycle
         self.before.clear()
 
 

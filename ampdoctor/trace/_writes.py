@@ -114,10 +114,13 @@ def written_args(func: Any, args: Any, kwargs: Any, cache: dict[Any, tuple[tuple
 class PendingWrite:
     """A write about to run: old values and the wider re-run, taken before the op changes the tensors."""
 
-    def __init__(self, func: Any, args: Any, kwargs: Any, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, func: Any, args: Any, kwargs: Any, tensors: list[torch.Tensor], measure: bool = True) -> None:
         self.tensors = tensors
         self.old: list[torch.Tensor | None] = []
         self.exact: list[torch.Tensor | None] = [None] * len(tensors)
+        if not measure:  # logged, not measured: statistics NaN, nothing copied
+            self.old = [None] * len(tensors)
+            return
         with torch._C.DisableTorchFunction(), torch.no_grad(), _disable_current_modes():
             for t in tensors:
                 try:
@@ -189,6 +192,11 @@ class WriteLog:
         self.records: list[WriteRecord] = []
         self._seq: dict[tuple[int, str, str], int] = {}
         self._cache: dict[Any, Any] = {}
+        #: which writes are measured: ``(tensor, (target, name, owner)) -> bool``, asked before the op runs; None:
+        #: all. An unmeasured write is still logged (op, tensor, order: the ``seq`` of later writes stays aligned)
+        #: with NaN statistics, and costs no copy: a caller that knows which writes its analysis reads skips the
+        #: others' old-value copy and wider re-run (the diagnosis: see ``ampdoctor.precision._runner``)
+        self.measure: Any = None
 
     def before(self, func: Any, args: Any, kwargs: Any, node: Any
                ) -> tuple[PendingWrite, list[tuple[str, str, str]]] | None:
@@ -212,7 +220,10 @@ class WriteLog:
             if info is not None:
                 picked.append(t)
                 meta.append(info)
-        return (PendingWrite(func, args, kwargs, picked), meta) if picked else None
+        if not picked:
+            return None
+        measure = self.measure is None or any(self.measure(t, m) for t, m in zip(picked, meta))
+        return PendingWrite(func, args, kwargs, picked, measure), meta
 
     def after(self, pending: tuple[PendingWrite, list[tuple[str, str, str]]], op: str, phase: str, module: str,
               step: int, index: int, src: tuple[str, int] | None) -> None:

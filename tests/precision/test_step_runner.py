@@ -117,3 +117,30 @@ def test_a_failing_step_is_recorded_or_raised() -> None:
     assert res.exc_step == 1 and isinstance(res.exc, RuntimeError) and len(res.losses) == 1
     with pytest.raises(RuntimeError, match="boom"):
         run_steps(spec, reference=False, observers=[Boom()], raise_errors=True)
+
+
+def _optimizer_writes(res: Any) -> dict[tuple[int, str, str, int], Any]:
+    return {w.key: w for w in res.trace.writes if w.phase == "optimizer"}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16-amp"])
+def test_optimizer_writes_are_measured_where_the_analysis_reads_them(precision: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside optimizer.step both runs measure exactly the writes into state the target holds in 16 bits (a lost
+    update and its fp32 twin); the others are logged unmeasured (NaN, no float64 copies) with the same keys, so
+    later writes stay aligned. Measured statistics are those of a trace that measures every write."""
+    spec = _spec(precision, steps=2)
+    with saved_rng():
+        ref, tgt = run(spec, reference=True), run(spec, reference=False)
+    ref_w, tgt_w = _optimizer_writes(ref), _optimizer_writes(tgt)
+    assert ref_w and ref_w.keys() == tgt_w.keys()
+    low = precision == "bf16"
+    for key, w in ref_w.items():
+        measured = [all(v == v for v in x.stats.values()) for x in (w, tgt_w[key])]
+        assert measured == [low, low], (key, w.stats, tgt_w[key].stats)
+        assert len(w.stats) == len(tgt_w[key].stats) == 6
+    if low:  # the same numbers as measuring everything
+        monkeypatch.setattr("ampdoctor.precision._runner._measured_writes", lambda *a: None)
+        with saved_rng():
+            full = run(spec, reference=True)
+        assert {k: w.stats for k, w in _optimizer_writes(full).items()} == {k: w.stats for k, w in ref_w.items()}
