@@ -4,11 +4,20 @@ Every op that writes into the storage of a parameter, a registered buffer or an 
 (``copy_``, ``lerp_``, ``mul_``, ``add_``, ``addcdiv_``, ``index_put_``, a batch norm's running statistics,
 ``_foreach_*_`` in an optimizer, ``AccumulateGrad``'s ``add_`` ...) -- from the optimizer, from the model's own
 code or from the user's training-step code -- is re-run on float copies one format wider (16-bit -> float32,
-float32 -> float64) before it runs for real. Per written tensor the trace keeps, on the device:
+float32 -> float64). Per written tensor the trace keeps, on the device:
 
 - ``numel``, ``moving``: elements whose exact update is nonzero, ``lost``: moving elements the stored write left
   unchanged (the update was below half an ulp of the stored value and rounded away), ``changed``: elements the
   stored write changed, ``intended`` / ``applied``: sums of ``|exact - old|`` and ``|new - old|``.
+
+Cost: on the CPU (where reading a value back is no device sync) the re-run waits until the write ran. An update
+can only be lost where the stored write left an element unchanged, so a float32 (or wider) write with a finite
+update is re-run on its unchanged elements only: none (a healthy fp32 optimizer step: no re-run at all), or those
+gathered for a point-wise op on one tensor (``addcdiv_``, ``mul_``, ``lerp_`` ...). Such a write's ``lost`` and
+``changed`` are exact, its ``moving`` counts every changed element as moving (a stored change implies a nonzero
+exact one) and its ``intended`` is unknown (NaN): only 16-bit state's and loss-scaled loop writes' exact update
+sizes are read (``findings._updates``). 16-bit and 8-bit writes, other ops and the training-step code's own writes
+(module ``""``) are re-run whole; on an accelerator every write is, before it runs (deciding would read back).
 
 Side effects: none. The re-run writes only into copies, under no mode and no grad; ops that draw random
 numbers are not re-run (their statistics stay unknown) so no RNG is consumed. No host sync: the rows are read
@@ -24,6 +33,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ampdoctor.trace import _stats
 from ampdoctor.trace._dtypes import dtype_info
 from ampdoctor.trace._ops import Kind, ops_with
 
@@ -112,13 +122,21 @@ def written_args(func: Any, args: Any, kwargs: Any, cache: dict[Any, tuple[tuple
 
 
 class PendingWrite:
-    """A write about to run: old values and the wider re-run, taken before the op changes the tensors."""
+    """A write about to run: old values taken before the op changes the tensors, and the wider re-run.
 
-    def __init__(self, func: Any, args: Any, kwargs: Any, tensors: list[torch.Tensor], measure: bool = True) -> None:
+    The re-run is deferred until after the op where it can be (``tensors`` are all it writes, on a host device, and
+    no other argument shares their storage): :meth:`rows` then re-runs a float32 (or wider) write only where it
+    left elements unchanged, and any other on the old values. Elsewhere (an accelerator: deciding would read a
+    value back) it runs before the op. ``measure`` False: logged, not measured (statistics NaN, nothing copied)."""
+
+    def __init__(self, func: Any, args: Any, kwargs: Any, tensors: list[torch.Tensor], defer: bool,
+                 measure: bool = True) -> None:
         self.tensors = tensors
         self.old: list[torch.Tensor | None] = []
         self.exact: list[torch.Tensor | None] = [None] * len(tensors)
-        if not measure:  # logged, not measured: statistics NaN, nothing copied
+        seeded = torch.Tag.nondeterministic_seeded in func.tags
+        self._call: tuple[Any, Any, Any] | None = (func, args, kwargs) if defer and measure and not seeded else None
+        if not measure:
             self.old = [None] * len(tensors)
             return
         with torch._C.DisableTorchFunction(), torch.no_grad(), _disable_current_modes():
@@ -127,12 +145,10 @@ class PendingWrite:
                     self.old.append(t.detach().to(_wider(t.dtype), copy=True))
                 except Exception:  # noqa: BLE001 - observation must not raise into user code
                     self.old.append(None)
-            if torch.Tag.nondeterministic_seeded not in func.tags:
-                self._rerun(func, args, kwargs)
+            if not defer and not seeded:
+                self._rerun(func, args, kwargs, {})
 
-    def _rerun(self, func: Any, args: Any, kwargs: Any) -> None:
-        memo: dict[int, torch.Tensor] = {}
-
+    def _rerun(self, func: Any, args: Any, kwargs: Any, memo: dict[int, torch.Tensor]) -> None:
         def up(obj: Any) -> Any:
             if isinstance(obj, torch.Tensor):
                 if not obj.is_floating_point():
@@ -152,31 +168,137 @@ class PendingWrite:
             return
         self.exact = [memo.get(id(t)) for t in self.tensors]
 
-    def rows(self) -> list[torch.Tensor]:
-        """One statistics row per written tensor (after the op ran), on its device, no host sync."""
-        out = []
+    def rows(self, exact_needed: bool) -> list[Any]:
+        """One statistics row per written tensor (after the op ran), no host sync on an accelerator.
+
+        A deferred float32 (or wider) write whose stored update is finite is judged without re-running all of it
+        unless ``exact_needed``: an element the write changed kept no update away, so only the elements it left
+        unchanged can have lost one -- none (no re-run), or a point-wise op on one tensor (re-run on just those
+        elements). ``intended`` is then unknown (NaN) and ``moving`` counts the changed elements as moving. Any other
+        deferred write re-runs whole now, on copies of the old values."""
         with torch._C.DisableTorchFunction(), torch.no_grad(), _disable_current_modes():
-            for t, old, exact in zip(self.tensors, self.old, self.exact):
-                out.append(_row(t, old, exact))
-        return out
+            applied = [_applied(t, old) for t, old in zip(self.tensors, self.old)]
+            if self._call is not None:
+                func, args, kwargs = self._call
+                if not exact_needed and all(a is not None and a[2] for a in applied):
+                    rows = self._wide_rows(applied)
+                    if rows is not None:
+                        return rows
+                self._rerun(func, args, kwargs, {id(t): old.clone() for t, old in zip(self.tensors, self.old)
+                                                 if old is not None})
+            return [_row(t, old, exact, a) for t, old, exact, a in zip(self.tensors, self.old, self.exact, applied)]
+
+    def _wide_rows(self, applied: list[Any]) -> list[Any] | None:
+        """Rows of a deferred wide write from its unchanged elements only (see :meth:`rows`); None: re-run it all."""
+        func, args, _ = self._call  # type: ignore[misc]
+        if all(float(diff.amin()) > 0 for diff, _, _ in applied):
+            return [_counts_row(t, diff, total, None) for t, (diff, total, _) in zip(self.tensors, applied)]
+        t, old = self.tensors[0], self.old[0]
+        if (len(self.tensors) != 1 or old is None or torch.Tag.pointwise not in func.tags or not args
+                or args[0] is not t):
+            return None
+        lost = _lost_where_unchanged(self._call, t, old, applied[0][0])  # type: ignore[arg-type]
+        return None if lost is None else [_counts_row(t, applied[0][0], applied[0][1], lost)]
 
 
-def _row(t: torch.Tensor, old: torch.Tensor | None, exact: torch.Tensor | None) -> torch.Tensor:
-    nan = torch.full((len(WRITE_FIELDS),), math.nan, dtype=torch.float64, device=t.device)
+def _lost_where_unchanged(call: tuple[Any, Any, Any], t: torch.Tensor, old: torch.Tensor,
+                          diff: torch.Tensor) -> int | None:
+    """Elements a point-wise in-place op on ``t`` left unchanged whose exact update is nonzero: the op re-run one
+    format wider on just those elements (every argument broadcast to ``t`` and gathered there). None if it fails."""
+    func, args, kwargs = call
+    mask = diff == 0
+    old_sub = old[mask]
+
+    def sub(obj: Any) -> Any:
+        if obj is t:
+            return old_sub.clone()
+        if isinstance(obj, torch.Tensor):
+            x = obj.detach().expand(t.shape)[mask]
+            return x.to(_wider(x.dtype)) if x.is_floating_point() else x
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(sub(o) for o in obj)
+        return obj
+
+    try:
+        exact = func(*sub(tuple(args)), **{k: sub(v) for k, v in kwargs.items()})
+        return int(torch.count_nonzero(exact - old_sub)) if exact.shape == old_sub.shape else None
+    except Exception:  # noqa: BLE001 - a shape or dtype the gather cannot serve: re-run the whole write
+        return None
+
+
+def deferrable(func: Any, args: Any, kwargs: Any, written: list[torch.Tensor], picked: list[torch.Tensor]) -> bool:
+    """Whether the exact re-run of a write may wait until after the op: it writes only ``picked`` (whose old values
+    are copied), on host devices, and no other floating argument shares their storage (so every other argument
+    still holds the values the op read)."""
+    if len(written) != len(picked) or any(t.device.type not in _stats.HOST_DEVICES for t in picked):
+        return False
+    ptrs = set()
+    for t in picked:
+        try:
+            ptrs.add(t.untyped_storage().data_ptr())
+        except Exception:  # noqa: BLE001 - no storage: not deferred
+            return False
+    ids = {id(t) for t in picked}
+    others: list[torch.Tensor] = []
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            others.append(v)
+        elif isinstance(v, (list, tuple)):
+            others.extend(x for x in v if isinstance(x, torch.Tensor))
+    for t in others:
+        if id(t) in ids or not t.is_floating_point():
+            continue
+        try:
+            if t.untyped_storage().data_ptr() in ptrs:
+                return False
+        except Exception:  # noqa: BLE001 - no storage: not deferred
+            return False
+    return True
+
+
+def _applied(t: torch.Tensor, old: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+    """``|new - old|`` one format wider (a fresh tensor), its sum, and -- on a host device, for a float32 or wider
+    write -- whether that sum is finite (read back there: no device sync)."""
     if old is None:
+        return None
+    try:  # widening is exact: the type promotion of ``sub`` computes what converting first computes
+        diff = torch.sub(t.detach(), old) if t.dtype == old.dtype or old.dtype == torch.float64 else (
+            t.detach().to(old.dtype) - old)
+        total = diff.abs_().sum()
+        every = False
+        if t.device.type in _stats.HOST_DEVICES and _wider(t.dtype) == torch.float64 and diff.numel():
+            every = math.isfinite(float(total))
+        return diff, total, every
+    except Exception:  # noqa: BLE001 - observation must not raise into user code
+        return None
+
+
+def _counts_row(t: torch.Tensor, diff: torch.Tensor, total: torch.Tensor, lost: int | None) -> list[float]:
+    """The row of a wide write whose changed elements all moved and ``lost`` unchanged ones should have (None: it
+    changed every element): exact update unknown (NaN)."""
+    n = t.numel()
+    changed = n if lost is None else int(torch.count_nonzero(diff))
+    lost = lost or 0
+    return [float(n), float(changed + lost), float(lost), float(changed), math.nan, float(total)]
+
+
+def _row(t: torch.Tensor, old: torch.Tensor | None, exact: torch.Tensor | None,
+         applied: tuple[torch.Tensor, torch.Tensor, bool] | None) -> torch.Tensor:
+    nan = torch.full((len(WRITE_FIELDS),), math.nan, dtype=torch.float64, device=t.device)
+    if old is None or applied is None:
         return nan
     try:
-        applied = t.detach().to(old.dtype) - old
-        changed = applied != 0
+        diff, total, _ = applied  # |new - old|
+        cnt = torch.count_nonzero  # NaN counts as nonzero, as ``!= 0`` does
         vals = [torch.tensor(float(t.numel()), dtype=torch.float64, device=t.device)]
         if exact is not None and exact.shape == old.shape:
             intended = exact - old
-            moving = intended != 0
-            vals += [moving.sum(), (moving & ~changed).sum(), changed.sum(), intended.abs().sum()]
+            lost = cnt(torch.where(diff == 0, intended, 0))  # moving elements the stored write left unchanged
+            vals += [cnt(intended), lost, cnt(diff), intended.abs_().sum()]
         else:
             n = torch.tensor(math.nan, dtype=torch.float64, device=t.device)
-            vals += [n, n, changed.sum(), n]
-        vals.append(applied.abs().sum())
+            vals += [n, n, cnt(diff), n]
+        vals.append(total)
         return torch.stack([v.to(torch.float64) for v in vals])
     except Exception:  # noqa: BLE001 - observation must not raise into user code
         return nan
@@ -223,12 +345,14 @@ class WriteLog:
         if not picked:
             return None
         measure = self.measure is None or any(self.measure(t, m) for t, m in zip(picked, meta))
-        return PendingWrite(func, args, kwargs, picked, measure), meta
+        defer = measure and deferrable(func, args, kwargs, ts, picked)
+        return PendingWrite(func, args, kwargs, picked, defer, measure), meta
 
     def after(self, pending: tuple[PendingWrite, list[tuple[str, str, str]]], op: str, phase: str, module: str,
               step: int, index: int, src: tuple[str, int] | None) -> None:
-        """Log the writes of an op that ran (``index``: the first record it makes)."""
-        for row, t, (target, name, owner) in zip(pending[0].rows(), pending[0].tensors, pending[1]):
+        """Log the writes of an op that ran (``index``: the first record it makes). The training-step code's own
+        writes (``module`` ``""``) keep their exact update in every dtype: ``loss-scaling-misuse`` reports it."""
+        for row, t, (target, name, owner) in zip(pending[0].rows(not module), pending[0].tensors, pending[1]):
             k = (step, target, name)
             seq = self._seq.get(k, 0)
             self._seq[k] = seq + 1
@@ -243,7 +367,9 @@ class WriteLog:
         """The trace's statistics rows (host lists as they are, tensor rows stacked per device) read back in one
         transfer per device together with ``writes`` (padded with zeros to ``width``) and the sketches; fills
         the writes' ``stats`` and returns the rows' values."""
-        ext = rows + [torch.cat([w.row, w.row.new_zeros(max(0, width - len(WRITE_FIELDS)))]) for w in writes]
+        pad = max(0, width - len(WRITE_FIELDS))
+        ext = rows + [w.row + [0.0] * pad if isinstance(w.row, list) else torch.cat([w.row, w.row.new_zeros(pad)])
+                      for w in writes]
         values: list[list[float]] = [[] for _ in ext]
         by_dev: dict[Any, list[int]] = {}
         for i, r in enumerate(ext):

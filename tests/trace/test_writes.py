@@ -1,0 +1,83 @@
+"""The write log's cheap paths count exactly what the whole exact re-run counts.
+
+On the CPU a float32 write is re-run only where it left elements unchanged (none, or those gathered for a
+point-wise op); each case here runs the same write through that path and through the whole re-run (``defer=False``,
+the accelerator path) and compares every count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from ampdoctor.trace._writes import WRITE_FIELDS, PendingWrite
+
+aten = torch.ops.aten
+
+
+def _stats(defer: bool, make: Callable[[], tuple[object, tuple, dict]], exact_needed: bool = False
+           ) -> dict[str, float]:
+    torch.manual_seed(0)  # the same tensors for both paths
+    func, args, kwargs = make()
+    t = args[0]
+    pending = PendingWrite(func, args, kwargs, [t], defer=defer)
+    func(*args, **kwargs)
+    row = pending.rows(exact_needed)[0]
+    values = row if isinstance(row, list) else row.tolist()
+    return dict(zip(WRITE_FIELDS, values))
+
+
+def _adam_like(dtype: torch.dtype, lr: float) -> Callable[[], tuple[object, tuple, dict]]:
+    """``p.addcdiv_(m, d, value=-lr)``: zero rows of ``m`` (no update) and tiny updates against large weights."""
+    def make() -> tuple[object, tuple, dict]:
+        g = torch.Generator().manual_seed(0)
+        p = (torch.randn(64, 32, generator=g) * 4).to(dtype)
+        m = torch.randn(64, 32, generator=g).to(dtype)
+        m[:8] = 0
+        d = torch.rand(32, generator=g).to(dtype) + 0.5  # broadcast along rows
+        return aten.addcdiv_.default, (p, m, d), {"value": -lr}
+    return make
+
+
+CASES = {
+    "addcdiv-some-lost": _adam_like(torch.float32, 3e-7),
+    "addcdiv-none-lost": _adam_like(torch.float32, 1e-3),
+    "addcdiv-fp64": _adam_like(torch.float64, 1e-15),
+    "mul-rounds-to-one": lambda: (aten.mul_.Scalar, (torch.randn(300) * 100, 1 - 2.0 ** -25), {}),  # all lost
+    "add-tiny": lambda: (aten.add_.Tensor, (torch.randn(300) * 10, torch.randn(300) * 1e-6), {}),
+    "lerp-zero-weights": lambda: (aten.lerp_.Scalar, (torch.cat([torch.zeros(5), torch.randn(50)]),
+                                                      torch.randn(55), 1e-9), {}),
+    "index_put-not-pointwise": lambda: (aten.index_put_.default,
+                                        (torch.randn(20), (torch.tensor([1, 3, 5]),), torch.randn(3)), {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_deferred_write_counts_equal_the_whole_exact_rerun(name: str) -> None:
+    fast, whole = _stats(True, CASES[name]), _stats(False, CASES[name])
+    assert {k: fast[k] for k in ("numel", "moving", "lost", "changed", "applied")} == \
+        {k: whole[k] for k in ("numel", "moving", "lost", "changed", "applied")}
+    assert whole["changed"] < whole["numel"] or name.endswith("none-lost") or name.startswith("index")
+    if name in ("addcdiv-some-lost", "add-tiny"):
+        assert 0 < whole["lost"] < whole["moving"]  # the case exercises the gathered re-run
+    if name.startswith("index"):
+        assert fast["intended"] == whole["intended"]  # not point-wise: re-run whole
+    else:
+        assert math.isnan(fast["intended"]) and math.isfinite(whole["intended"])  # the cheap path ran
+
+
+def test_sixteen_bit_and_loop_code_writes_keep_their_exact_update() -> None:
+    for make, needed in ((_adam_like(torch.bfloat16, 1e-4), False), (_adam_like(torch.float32, 1e-3), True)):
+        fast, whole = _stats(True, make, needed), _stats(False, make, needed)
+        assert math.isfinite(fast["intended"]) and fast == whole
+
+
+def test_a_nonfinite_update_takes_the_whole_rerun() -> None:
+    def make() -> tuple[object, tuple, dict]:
+        p = torch.randn(10)
+        return aten.add_.Tensor, (p, torch.tensor([math.inf] + [0.0] * 9)), {}
+    fast, whole = _stats(True, make), _stats(False, make)
+    assert fast["changed"] == whole["changed"] == 1 and not math.isfinite(fast["applied"]) and fast["moving"] == 1
