@@ -136,7 +136,9 @@ def test_optimizer_writes_are_measured_where_the_analysis_reads_them(precision: 
     assert ref_w and ref_w.keys() == tgt_w.keys()
     low = precision == "bf16"
     for key, w in ref_w.items():
-        measured = [all(v == v for v in x.stats.values()) for x in (w, tgt_w[key])]
+        # measured: the counts are known (a CPU fp32 write judged without its whole re-run has ``intended`` NaN)
+        measured = [all(x.stats[f] == x.stats[f] for f in ("moving", "lost", "changed", "applied"))
+                    for x in (w, tgt_w[key])]
         assert measured == [low, low], (key, w.stats, tgt_w[key].stats)
         assert len(w.stats) == len(tgt_w[key].stats) == 6
     if low:  # the same numbers as measuring everything
