@@ -144,7 +144,9 @@ def _subclass(m: nn.Module, extra: Callable[[nn.Module, torch.Tensor], torch.Ten
     m.__class__ = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__})
 
 
-@mechanism("weight-scale", precision="fp16-amp", codes=("overflow",))
+# must-stay-fp32 is the overflow finding itself when the overflowing module is one the model declares fp32-only
+# (UMT5's DenseReluDense.wo in _keep_in_fp32_modules): same module, op and phase, with the declaration as the fix
+@mechanism("weight-scale", precision="fp16-amp", codes=("overflow", "must-stay-fp32"))
 def weight_scale(model: nn.Module, p: Probe, rng: random.Random) -> Injection:
     """Scale one Linear/Conv weight so its output lands 4x past fp16's max (bf16-pretrained magnitudes)."""
     mods = dict(model.named_modules())

@@ -28,7 +28,15 @@ from ampdoctor.findings._fp8_casts import clip_candidates as fp8_clip_candidates
 from ampdoctor.findings._fp8_casts import handled as fp8_handled
 from ampdoctor.findings._literals import rounded_literal_candidates
 from ampdoctor.findings._poles import flushed_pole_input
-from ampdoctor.findings._registry import RUN_END, SETUP_CRASH, SETUP_CRASHED_COVERAGE, SETUP_INPUT, Candidate, rule
+from ampdoctor.findings._registry import (
+    RUN_END,
+    SETUP_CRASH,
+    SETUP_CRASHED_COVERAGE,
+    SETUP_INPUT,
+    SETUP_UNWIRED,
+    Candidate,
+    rule,
+)
 from ampdoctor.findings._remedies import propose
 from ampdoctor.findings._types import Finding, FixProposal
 from ampdoctor.trace import OPS, Family, Kind, OpRecord, Reduces, Upcast, ops_with
@@ -397,7 +405,9 @@ def unused_parameters(ctx: Context) -> list[Candidate]:
     the loss (BERT's pooler when the loss uses token states). DDP with ``find_unused_parameters=False`` then
     fails on the next step ("Expected to have finished reduction"), fused or flattening fp16 optimizers choke
     on the ``None`` grads, and plain optimizers skip them silently. Severity is ``error`` when the run
-    crashed or a DDP wrapper is in use, ``warning`` otherwise."""
+    crashed or a DDP wrapper is in use, ``warning`` otherwise. A functional bug that holds in every precision,
+    it ranks before the numeric causes of the same severity (a precision-loss or underflow warning measures a
+    degradation against fp32; these weights are not trained at all)."""
     out: list[Candidate] = []
     cov = ctx.target.coverage[0] if ctx.target.coverage else None
     if cov is None or ctx.target.forward_only:
@@ -432,7 +442,7 @@ def unused_parameters(ctx: Context) -> list[Candidate]:
             out.append(Candidate(Finding(
                 "unused-parameters", severity, owner, "", "backward",
                 f"{owner or '<root>'}: {len(params)} trainable parameter(s) never get a gradient", expl, ev, fixes),
-                SETUP_CRASHED_COVERAGE if crashed else RUN_END))
+                SETUP_CRASHED_COVERAGE if crashed else SETUP_UNWIRED))
     missing = [p.name for p in cov if not p.in_optimizer and not p.grad_none]
     if missing:
         for owner, params in sorted(group_by_owner(missing, ctx.target.owners).items()):

@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from ampdoctor.findings._common import ALIAS_OPS, CASTS, LOW, dtype_name, feeders, is_low, op_base
+from ampdoctor.findings._analysis import TOL_FACTOR, reduction_length
+from ampdoctor.findings._common import ALIAS_OPS, CASTS, LOW, dtype_name, feeders, is_low, op_base, unit_roundoff
 from ampdoctor.trace import Kind, OpRecord, ops_with
 
 if TYPE_CHECKING:
@@ -30,12 +31,17 @@ if TYPE_CHECKING:
 ELEMENT_WARN = 0.25
 #: the relative-error floor is this fraction of the reference sample's RMS
 FLOOR = 1.0 / 16
+#: an amplifier's (sin/cos/exp) median element error is a warning above ``max(TOL_FACTOR * u, AMPLIFIED_FLOOR)``
+#: (u of the low precision its argument was computed in; capped at ELEMENT_WARN): bf16 6.25%, fp16 5% --
+#: rounding the result itself costs u, the rest is the argument's rounding turned into phase (sin) or scale (exp)
+AMPLIFIED_FLOOR = 0.05
 AMPLIFIERS = ops_with(Kind.PERIODIC) | ops_with(Kind.EXPONENTIAL)
 PICKS_K, ORDERS = ops_with(Kind.PICKS_K), ops_with(Kind.ORDERS)
 
 
 def sample_error(t: OpRecord, ref: OpRecord) -> dict[str, float] | None:
-    """``{p50, p99, max, sign_flips, n}`` of the element-wise relative error of ``t`` against ``ref``."""
+    """``{p50, p99, max, rms, sign_flips, n}`` of the element-wise relative error of ``t`` against ``ref`` (``rms``:
+    the sampled difference's 2-norm over the reference sample's)."""
     if not t.sample or len(t.sample) != len(ref.sample) or t.shape != ref.shape:
         return None
     pairs = [(a, b) for a, b in zip(t.sample, ref.sample) if math.isfinite(a) and math.isfinite(b)]
@@ -48,8 +54,9 @@ def sample_error(t: OpRecord, ref: OpRecord) -> dict[str, float] | None:
     errs = sorted(abs(a - b) / max(abs(b), floor) for a, b in pairs)
     n = len(errs)
     flips = sum(1 for a, b in pairs if abs(b) > floor and (a > 0) != (b > 0))
+    diff = math.sqrt(sum((a - b) ** 2 for a, b in pairs) / len(pairs))
     return {"p50": errs[(n - 1) // 2], "p99": errs[min(n - 1, math.ceil(0.99 * n) - 1)], "max": errs[-1],
-            "sign_flips": flips, "n": n}
+            "rms": diff / rms, "sign_flips": flips, "n": n}
 
 
 def element_errors(ctx: Context) -> dict[int, dict[str, float]]:
@@ -96,6 +103,8 @@ def element_loss_records(ctx: Context, skip: set[int]) -> list[tuple[OpRecord, f
             continue
         if not [i for i in r.inputs if i >= 0]:
             continue  # made from scratch (arange, full): nothing it could have lost
+        if reduction_length(ctx, r) > 1:
+            continue  # each output element mixes all K terms' errors: its median is no per-element comparison
         own = own_element_error(ctx, r)
         if own is None:
             continue
@@ -151,13 +160,49 @@ def decision_source(ctx: Context, d: Any) -> OpRecord | None:
     if not 0 <= d.input_index < len(ctx.records):
         return None
     start = ctx.records[d.input_index]
-    cands = [start, *feeders(ctx.records, start, 4)]
-    ops = [r for r in cands if r.kind == "op" and op_base(r.op) not in CASTS | ALIAS_OPS
-           and (is_low(r.dtype) or any(dtype_name(x) in LOW for x in r.input_dtypes))]
-    if not ops:
-        return start
+    ops = _low_ops(ctx, start, 4)
+    return _largest_own(ctx, ops, ops[0]) if ops else start
+
+
+def _low_ops(ctx: Context, r: OpRecord, depth: int) -> list[OpRecord]:
+    """``r`` and its op feeders (``depth`` hops, through views and casts) that compute in or from a low precision."""
+    return [x for x in [r, *feeders(ctx.records, r, depth)] if x.kind == "op" and op_base(x.op) not in CASTS | ALIAS_OPS
+            and (is_low(x.dtype) or any(dtype_name(d) in LOW for d in x.input_dtypes))]
+
+
+def _low_u(x: OpRecord) -> float:
+    return max(unit_roundoff(d) for d in [dtype_name(x.dtype), *map(dtype_name, x.input_dtypes)])
+
+
+def _largest_own(ctx: Context, ops: list[OpRecord], default: OpRecord) -> OpRecord:
     def own(r: OpRecord) -> float:
         o = own_element_error(ctx, r)
         return -1.0 if o is None else o[0] - o[1]
     best = max(ops, key=own)
-    return best if own(best) > 0 else ops[0]
+    return best if own(best) > 0 else default
+
+
+def amplified_records(ctx: Context, skip: set[int]) -> list[tuple[OpRecord, OpRecord, float]]:
+    """Step-0 forward amplifiers (sin, cos, exp) whose median element error exceeds the amplified threshold and
+    whose argument was computed in a low precision: ``(amplifier, origin, threshold)``. The origin is, among the
+    amplifier and its low-precision feeders (4 hops), the op with the largest own element error -- the
+    amplifier itself when it runs in the low precision on a rounded argument (its own error is the amplified one),
+    the op upstream that lost the argument's digits (a subtraction of a large offset) when it is in fp32
+    (autocast runs exp in float32 on a bf16 argument). Origins in ``skip`` are explained already."""
+    out: list[tuple[OpRecord, OpRecord, float]] = []
+    for r in ctx.records:
+        if r.step != 0:
+            break
+        if r.kind != "op" or r.phase != "forward" or op_base(r.op) not in AMPLIFIERS or r.out_pos > 0:
+            continue
+        e = ctx.element_errors.get(r.index)
+        ops = _low_ops(ctx, r, 4)
+        if e is None or not ops:
+            continue
+        thr = min(max(TOL_FACTOR * max(_low_u(x) for x in ops), AMPLIFIED_FLOOR), ELEMENT_WARN)
+        if e["p50"] <= thr:
+            continue
+        origin = _largest_own(ctx, ops, ops[0])
+        if origin.index not in skip:
+            out.append((r, origin, thr))
+    return out

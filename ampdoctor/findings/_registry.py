@@ -57,6 +57,10 @@ SETUP_CRASHED_COVERAGE = Order(Stage.SETUP, 0)   # the run crashed on parameters
 SETUP_INPUT = Order(Stage.SETUP, 1)              # the batch itself is non-finite and that reaches the loss
 SETUP_CRASH = Order(Stage.SETUP, 2)              # a crash before any traced op can explain it (finfo constant)
 SETUP_BUFFER = Order(Stage.SETUP, 3)             # a registered buffer damaged by the model cast, harmful
+#: trainable parameters the model's wiring never connects to the loss: a functional bug that holds in every
+#: precision (fp32 too) and is certain, not measured -- it ranks before the numeric causes of the same severity
+#: (a bf16 precision-loss warning is a degradation relative to fp32; these weights are never trained at all)
+SETUP_UNWIRED = Order(Stage.SETUP, 4)
 RUN_FP8_SCALES = Order(Stage.RUN, 0)             # fp8 scaling of the emulated layers (whole run)
 RUN_PARAMS = Order(Stage.RUN, 1)                 # parameters stored in low precision (whole run)
 RUN_END = Order(Stage.RUN, 2)                    # facts read at the end of the run (coverage, declarations)

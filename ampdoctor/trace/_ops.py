@@ -64,6 +64,8 @@ class Reduces(enum.Enum):
     INNER_0 = "inner_0"      # K = inputs[0].shape[-1]            (mm, bmm, matmul, linear)
     INNER_1 = "inner_1"      # K = inputs[1].shape[-1]            (addmm, baddbmm: inputs[0] is the bias)
     KERNEL = "kernel"        # K = prod(inputs[1].shape[1:])      (convolution: C_in * kernel size)
+    KERNEL_GRAD = "kernel_grad"  # K = numel(inputs[2]) / inputs[1].shape[1]  (convolution_backward's grad_input:
+    #                          C_out / groups * kernel size; transposed: the same count in its weight layout)
     ROW = "row"              # K = output.shape[-1]               (softmax, layer norm, cumsum along rows)
     RATIO = "ratio"          # K = numel(input) / numel(output)   (sum, mean, var, norms)
 
@@ -259,8 +261,9 @@ for _n in ("mm", "bmm"):
     declare(_n, K.GEMM, reduces=Reduces.INNER_0)
 for _n in ("addmm", "baddbmm", "addbmm", "addmv"):
     declare(_n, K.GEMM, reduces=Reduces.INNER_1)
-for _n in ("mv", "dot", "vdot", "addr", "_addmm_activation", "convolution_backward"):
+for _n in ("mv", "dot", "vdot", "addr", "_addmm_activation"):
     declare(_n, K.GEMM)
+declare("convolution_backward", K.GEMM, reduces=Reduces.KERNEL_GRAD)
 declare("convolution", K.GEMM, reduces=Reduces.KERNEL)
 for _n in ("_convolution", "conv2d", "conv1d"):
     declare(_n, reduces=Reduces.KERNEL)

@@ -65,7 +65,8 @@ class Sampler:
 class Decision:
     """One decision op's integer output: ``indices`` (host list after the read, ``None`` when too large),
     ``rows`` (the decisions it makes: its output's elements along the decided dim collapsed), ``ties``
-    (rows whose chosen value equals the next candidate's in the input)."""
+    (rows whose chosen value equals the next candidate's in the input; for a sort, rows where two neighbours in
+    the order are equal)."""
 
     op: str
     module: str
@@ -102,7 +103,13 @@ def make_decision(base: str, op: str, module: str, phase: str, step: int, input_
         return None
     dim, k = _dim_k(base, args, kwargs, x)
     d = Decision(op, module, phase, step, input_index, out_pos, tuple(t.shape), k, t.detach().clone())
-    if base not in _ORDERS:
+    if base in _ORDERS:
+        dd = -1 if dim is None else dim
+        n = x.shape[dd] if x.dim() else 0
+        if n > 1 and tuple(t.shape) == tuple(x.shape):  # rows where two neighbours in the order are equal
+            v = x.detach().gather(dd, t)
+            d.device_ties = (v.narrow(dd, 1, n - 1) == v.narrow(dd, 0, n - 1)).any(dd).sum()
+    else:
         v = x.detach().reshape(-1) if dim is None else x.detach()
         if base in _SMALLEST or (base in _PICKS_K and not kwargs.get(
                 "largest", args[3] if len(args) > 3 else True)):

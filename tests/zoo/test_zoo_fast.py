@@ -48,3 +48,13 @@ def test_injected_faults_are_named(family: str) -> None:
         if r["named"] is False:
             misses.append((mech, r["module"], r.get("root")))
     assert not misses, misses
+
+
+@pytest.mark.parametrize("family", ["resnet", "regnet"])
+def test_bf16_conv_backward_is_no_false_precision_loss(family: str) -> None:
+    """A bf16 convolution_backward whose |max| moved 20% only because its bf16 inputs' elements did (0.17% own
+    error, recomputed exactly from its own inputs by hand) is not flagged: the injected unused head is named."""
+    r = zoo.run_injected(family, "unused-submodule")
+    assert r["crash"] is None, r.get("trace")
+    assert r["named"], (r["module"], r.get("root"))
+    assert "precision-loss" not in r["codes"], r["codes"]
