@@ -92,6 +92,46 @@ def _coverage(model: nn.Module, names: dict[int, str], owners: dict[int, str], o
     return out
 
 
+#: elements per chunk of :func:`sum_of_squares` on the host; a chunk norm below :data:`_TINY` may have lost squares
+#: below float32's normal range (each under 1.2e-38: 8e-34 at most, 1e-9 of 1e-24); such a chunk is summed again
+#: multiplied by 2**100 (exact: its squares are then all normal and cannot overflow)
+_CHUNK, _TINY, _UP = 1 << 16, 1e-12, 2.0 ** 100
+
+
+def sum_of_squares(g: torch.Tensor) -> torch.Tensor:
+    """``sum(g**2)`` as a float64 0-d tensor, to ~1e-7 relative accuracy, no host sync on an accelerator.
+
+    On the host, where a float64 copy of a gradient costs ~25-50x a float32 pass (~20 s per step at 750M
+    parameters), it sums the float32 norms of 64K-element chunks in float64 (one float32 norm of a large tensor is
+    off by ~1e-3). A chunk whose float32 norm is not finite (inf/NaN values, or squares overflowing) is summed in
+    float64, one below 1e-12 (squares that may underflow) scaled up by 2**100; zero chunks (embedding rows no token
+    used) cost nothing more. The values read back cost no sync on the host."""
+    if g.device.type != "cpu" or g.numel() == 0:
+        return g.double().pow(2).sum()
+    x = g.reshape(-1)
+    n = x.numel() // _CHUNK * _CHUNK
+    rows = [x[:n].view(-1, _CHUNK)] if n else []
+    if n < x.numel():
+        rows.append(x[n:].view(1, -1))
+    parts = []
+    for r in rows:
+        norms = torch.linalg.vector_norm(r, dim=1, dtype=torch.float32)
+        sq = norms.double().pow(2)
+        finite = torch.isfinite(norms)
+        redo = ~finite | (norms < _TINY)
+        if bool(redo.any()):
+            redo &= (r.amax(dim=1) != 0) | (r.amin(dim=1) != 0)  # all-zero chunks are exact (no copy)
+            idx = redo.nonzero().squeeze(1)
+            sub = r.index_select(0, idx)
+            big = ~finite[idx]
+            up = torch.linalg.vector_norm(sub.float() * _UP, dim=1, dtype=torch.float32).double().pow(2) / _UP ** 2
+            if bool(big.any()):
+                up[big] = sub[big].double().pow(2).sum(dim=1)
+            sq[idx] = up.to(sq.dtype)
+        parts.append(sq.sum())
+    return torch.stack(parts).sum()
+
+
 def _low_precision_names(spec: StepSpec) -> set[str]:
     """Trainable parameters that the target run keeps in fp16/bf16 (cast by the precision or given so)."""
     names = {id(p): n for n, p in spec.model.named_parameters()}
@@ -168,7 +208,7 @@ class _TraceObserver(Observer):
         if self.norms[step] is None and self.opt is not None:
             gs = [p.grad for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
             if gs:
-                self.norms[step] = torch.stack([g.detach().double().pow(2).sum() for g in gs]).sum().sqrt()
+                self.norms[step] = torch.stack([sum_of_squares(g.detach()) for g in gs]).sum().sqrt()
 
     def _snapshot(self) -> None:
         if len(self.result.coverage) <= self.tr.mode.step:
