@@ -62,7 +62,6 @@ SETUP_BUFFER = Order(Stage.SETUP, 3)             # a registered buffer damaged b
 #: (a bf16 precision-loss warning is a degradation relative to fp32; these weights are never trained at all)
 SETUP_UNWIRED = Order(Stage.SETUP, 4)
 RUN_FP8_SCALES = Order(Stage.RUN, 0)             # fp8 scaling of the emulated layers (whole run)
-RUN_PARAMS = Order(Stage.RUN, 1)                 # parameters stored in low precision (whole run)
 RUN_END = Order(Stage.RUN, 2)                    # facts read at the end of the run (coverage, declarations)
 
 

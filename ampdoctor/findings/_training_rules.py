@@ -10,10 +10,10 @@ import torch
 from ampdoctor.findings._common import HALF, base_evidence, bf16_fix, dtype_name, fmt, limits, op_base, where
 from ampdoctor.findings._context import Context
 from ampdoctor.findings._fp8_casts import clip_candidates
-from ampdoctor.findings._registry import RUN_END, RUN_FP8_SCALES, RUN_PARAMS, SETUP_CRASH, Candidate, Order, rule
+from ampdoctor.findings._registry import RUN_END, RUN_FP8_SCALES, SETUP_CRASH, Candidate, Order, rule
 from ampdoctor.findings._types import Finding, FixProposal
 from ampdoctor.findings._updates import lost_updates, scaled_updates
-from ampdoctor.trace import DTYPES, OpRecord, dtype_info
+from ampdoctor.trace import DTYPES, OpRecord
 
 FP8 = frozenset(n for n, i in DTYPES.items() if i.fp8)
 
@@ -62,9 +62,8 @@ def low_precision_params(ctx: Context) -> list[Candidate]:
         seen.add(r.module)
         out.append(_optimizer_overflow(ctx, r))
     # 2) any write into fp16/bf16 module state (optimizer, EMA, running statistics, manual updates, gradient
-    #    accumulation) whose update rounds away, step by step; then the optimizer's parameter snapshot
+    #    accumulation) whose update rounds away, step by step (the write log sees loop, foreach and fused optimizers)
     out.extend(lost_updates(ctx, seen, _master_fix()))
-    out.extend(_lost_updates(ctx, seen))
     return out
 
 
@@ -95,46 +94,6 @@ def _optimizer_overflow(ctx: Context, r: OpRecord) -> Candidate:
     return Candidate(Finding("low-precision-params", "error", r.module, r.op, "optimizer",
                              f"{r.module}: optimizer step on {dtype_name(r.dtype)} parameters overflows",
                              expl, ev, fixes, r.step), first)
-
-
-def _ulp_at_1(dt: str) -> float:
-    """The spacing of ``dt`` at 1.0 (bf16 2**-7, fp16 2**-10; fp16's for an unknown name)."""
-    info = dtype_info(dt)
-    return 2 * info.unit_roundoff if info is not None and info.bits == 16 else 2.0 ** -10
-
-
-def _lost_updates(ctx: Context, seen: set[str]) -> list[Candidate]:
-    """Parameters whose nonzero-gradient elements mostly did not change (updates below half an ulp), where fp32
-    keeps them; one finding per owning module not in ``seen`` (which it extends)."""
-    out: list[Candidate] = []
-    t = ctx.target
-    ref_lost = ctx.reference.update_lost if ctx.reference is not None else []
-    for step, lost in enumerate(t.update_lost):
-        for name, frac in lost.items():
-            owner = t.owners.get(name, "")
-            if frac <= 0.5 or owner in seen:
-                continue
-            ref_frac = ref_lost[step].get(name) if step < len(ref_lost) else None
-            if ref_frac is not None and ref_frac > 0.5:
-                continue  # fp32 loses them too: the gradients are zero, not the rounding
-            seen.add(owner)
-            dt = t.param_dtypes.get(name, "")
-            ev: dict[str, Any] = {"parameter": name, "dtype": dt, "fraction_lost": frac, "step": step,
-                                  "ulp_at_1": _ulp_at_1(dt), "optimizer": t.optimizer_info.get("type", "")}
-            if ref_frac is not None:
-                ev["fraction_lost_fp32"] = ref_frac
-            lr = t.optimizer_info.get("defaults", {}).get("lr")
-            if isinstance(lr, float):
-                ev["lr"] = lr
-            expl = (f"In step {step}, {frac:.0%} of the elements of {name} ({dt}) that had a nonzero gradient did "
-                    f"not change: each update was below half an ulp of the weight (ulp at 1.0 is "
-                    f"{fmt(ev['ulp_at_1'])}) and rounded away"
-                    + (f"; in fp32 {ref_frac:.0%} were lost" if ref_frac is not None else "")
-                    + ". Training silently stalls.")
-            out.append(Candidate(Finding("low-precision-params", "error", owner, "", "optimizer",
-                                         f"{owner or '<root>'}: {dt} weight updates are lost to rounding", expl,
-                                         ev, (_master_fix(),), step), RUN_PARAMS))
-    return out
 
 
 def _round_to(x: float, dt: str) -> float:

@@ -1,7 +1,7 @@
 """The diagnosis's runs: the shared step (:mod:`ampdoctor.precision._step`) observed by the trace.
 
 ``run(spec, reference=...)`` prepares one copy, runs ``spec.steps`` steps with :class:`_TraceObserver` and
-returns a :class:`RunResult`: the trace, losses, gradient coverage, lost updates, dtypes and scales.
+returns a :class:`RunResult`: the trace, losses, gradient coverage, dtypes and scales.
 """
 
 from __future__ import annotations
@@ -57,9 +57,6 @@ class RunResult:
     exc_traceback: str = ""
     coverage: list[list[ParamState]] = field(default_factory=list)
     scales: list[float] = field(default_factory=list)
-    #: per step, per tracked low-precision parameter: fraction of elements with a nonzero gradient whose value
-    #: did not change in the optimizer step (the update rounded away)
-    update_lost: list[dict[str, Any]] = field(default_factory=list)
     param_dtypes: dict[str, str] = field(default_factory=dict)
     optimizer_state_dtypes: dict[str, list[str]] = field(default_factory=dict)
     optimizer_info: dict[str, Any] = field(default_factory=dict)
@@ -132,14 +129,6 @@ def sum_of_squares(g: torch.Tensor) -> torch.Tensor:
     return torch.stack(parts).sum()
 
 
-def _low_precision_names(spec: StepSpec) -> set[str]:
-    """Trainable parameters that the target run keeps in fp16/bf16 (cast by the precision or given so)."""
-    names = {id(p): n for n, p in spec.model.named_parameters()}
-    low = set(HALF_DTYPES)
-    cast = spec.precision in LOW_DTYPES
-    return {names[id(p)] for p in spec.model.parameters() if p.requires_grad and (cast or p.dtype in low)}
-
-
 def _measured_writes(spec: StepSpec, reference: bool, mode: Any) -> Any:
     """Which writes into module state the trace measures (``WriteLog.measure``; None: all).
 
@@ -164,7 +153,8 @@ def _measured_writes(spec: StepSpec, reference: bool, mode: Any) -> Any:
 
 
 class _TraceObserver(Observer):
-    """The diagnosis's observer: the op-level trace, gradient coverage, lost updates and the loss/output marks."""
+    """The diagnosis's observer: the op-level trace (its write log gives lost updates), gradient coverage and
+    the loss/output marks."""
 
     def __init__(self, spec: StepSpec, prep: Prepared, result: RunResult, headroom: bool) -> None:
         model, opt = prep.model, prep.optimizer
@@ -175,16 +165,9 @@ class _TraceObserver(Observer):
         self.names = self.tr.attribution.param_names
         self.owners = self.tr.attribution.param_owner
         self.model = model
-        low_names = _low_precision_names(spec)
-        self.tracked = [(self.names.get(id(p), ""), p) for p in model.parameters()
-                        if self.names.get(id(p), "") in low_names]
-        self.before: dict[str, torch.Tensor] = {}
         self.tr.on_optimizer_pre.append(self._snapshot)
         self.tr.on_optimizer_pre.append(self._grad_norm)
         self.norms: list[Any] = []
-        if self.tracked and opt is not None:
-            self.tr.on_optimizer_pre.append(self._params_before)
-            self.tr.on_optimizer_post.append(self._params_after)
         for t in iter_tensors(prep.batch):
             try:
                 self.tr.mode.batch_ptrs.add(t.untyped_storage().data_ptr())
@@ -214,22 +197,6 @@ class _TraceObserver(Observer):
         if len(self.result.coverage) <= self.tr.mode.step:
             self.result.coverage.append(_coverage(self.model, self.names, self.owners, self.opt))
 
-    def _params_before(self) -> None:
-        self.before.clear()
-        for n, p in self.tracked:
-            self.before[n] = p.detach().clone()
-
-    def _params_after(self) -> None:
-        lost: dict[str, Any] = {}
-        for n, p in self.tracked:
-            g = p.grad
-            if g is None or n not in self.before:
-                continue
-            moving = g != 0
-            lost[n] = ((p.detach() == self.before[n]) & moving).sum().to(torch.float64) / moving.sum().clamp(min=1)
-        self.result.update_lost.append(lost)
-        self.before.clear()
-
     def forward_done(self, loop: StepLoop, step: int, output: Any, loss: Any) -> None:
         self.tr.mark("output", output)
         self.result.output_records = self.tr.marks.get("output", [])
@@ -251,7 +218,7 @@ class _TraceObserver(Observer):
             raise input_error(exc, loop.stage, loop.output_type) from exc
 
     def finish(self, loop: StepLoop) -> None:
-        """Read everything back at once (trace statistics, coverage zero-fractions, lost updates) and drop the
+        """Read everything back at once (trace statistics, coverage zero-fractions, gradient norms) and drop the
         callbacks: they close over the trace, a reference cycle through the model copy that would keep the copy
         alive until the next garbage collection (the next run's copy would be made first)."""
         res, opt = self.result, self.opt
@@ -262,10 +229,6 @@ class _TraceObserver(Observer):
                     if isinstance(v, torch.Tensor) and v.dim() > 0]
         zero_ts = [ps.grad_zero for cov in res.coverage for ps in cov if ps.grad_zero is not None]
         res.trace = self.tr.result()
-        if res.update_lost:
-            flat = [v for d in res.update_lost for v in d.values()]
-            lost_vals = iter(torch.stack([v.cpu() for v in flat]).tolist()) if flat else iter(())
-            res.update_lost = [{k: next(lost_vals) for k in d} for d in res.update_lost]
         known = [n for n in self.norms if n is not None]
         vals = iter(torch.stack([n.cpu() for n in known]).tolist() if known else [])
         res.grad_norms = [next(vals) if n is not None else float("nan") for n in self.norms]
@@ -278,7 +241,6 @@ class _TraceObserver(Observer):
         self.tr.on_optimizer_pre.clear()
         self.tr.on_optimizer_post.clear()
         self.tr.mode.writes.measure = None  # closes over the mode: the same cycle
-        self.before.clear()
 
 
 def _describe(prep: Prepared, result: RunResult, names: dict[int, str], owners: dict[int, str]) -> None:

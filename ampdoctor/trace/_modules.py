@@ -162,7 +162,3 @@ class ModuleAttribution:
             if var is not None:
                 return self.param_owner.get(id(var), "")
         return ""
-
-    def clear_nodes(self) -> None:
-        """Forget node ownership (after a step's backward): releases the autograd graph."""
-        self.node_owner.clear()
