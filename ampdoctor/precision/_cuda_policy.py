@@ -7,18 +7,9 @@ module is its lookup for the precision layer: :func:`policy_for`, the per-device
 ``CUDA_OVERLOADS`` / ``CPU_POLICY`` / ``CPU_OVERLOADS`` of the registered ops (composites excluded, so they equal
 the dispatcher's registrations: ``tests/precision/test_emulation.py``), and the generated policy table.
 
-Policies (the ``CastPolicy`` enum of ``autocast_mode.h``)
-    ``"lower"``               cast floating inputs (not float64) to the autocast dtype (fp16 / bf16).
-    ``"fp32"``                cast floating inputs (not float64) to float32.
-    ``"fp32_set_opt_dtype"``  if the first tensor is eligible and no ``dtype=`` was given, pass ``dtype=float32``.
-    ``"fp32_append_dtype"``   ``norm`` overloads without a dtype are redispatched with ``dtype=float32``.
-    ``"promote"``             run in the widest floating dtype among the inputs (float64 ignored).
-    ``"banned"``              raise (``binary_cross_entropy``: unsafe to autocast; use ``..._with_logits``).
-    ``None``                  not registered: the op runs in whatever dtype its inputs have.
-
-Only the overloads listed in ``CUDA_OVERLOADS`` / ``CPU_OVERLOADS`` are registered ("" is the default overload);
-ops called through another overload (``sum.dim_DimnameList``, ``softmax.Dimname``, ``exp.out``, in-place
-``exp_``) are not autocast.
+The policies (``"lower"``, ``"fp32"``, ``"fp32_set_opt_dtype"``, ``"fp32_append_dtype"``, ``"promote"``,
+``"banned"``; ``None``: not registered, the op runs in its inputs' dtype) are described in
+``ampdoctor/trace/_autocast.py``.
 """
 
 from __future__ import annotations
@@ -43,7 +34,6 @@ POLICIES: tuple[str, ...] = AUTOCAST_POLICIES
 DEVICE_KINDS: tuple[str, ...] = AUTOCAST_DEVICES
 
 TORCH_VERSION = "2.13.0"
-TORCH_GIT_VERSION = "cf30153c4c131c8164ee7798e5022d810682e2cb"
 
 
 def _registered(device: str) -> tuple[Mapping[str, str], Mapping[str, frozenset[str]]]:
@@ -59,8 +49,6 @@ CPU_POLICY, CPU_OVERLOADS = _registered("cpu")
 #: C++ composites the CUDA emulation gives the policy of their first inner op (torch-level names).
 COMPOSITE_POLICY: Mapping[str, str] = MappingProxyType(
     {c.name: c.policy for c in AUTOCAST["cuda"].values() if c.composite})
-#: Composites whose fp32 op comes after elementwise ops: the emulation is slightly more accurate than CUDA there.
-APPROXIMATE_COMPOSITES: frozenset[str] = frozenset(c.name for c in AUTOCAST["cuda"].values() if c.approximate)
 
 #: The message CUDA autocast raises for ``binary_cross_entropy`` (``binary_cross_entropy_banned``), verbatim.
 BANNED_MESSAGE = (
