@@ -19,30 +19,8 @@ import torch
 from torch import nn
 
 from ampdoctor.watch import AnomalyError, _reproducer, watch
-
-
-def _net(opt_kwargs: dict[str, Any] | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-    return m, torch.optim.AdamW(m.parameters(), lr=1e-2, **(opt_kwargs or {}))
-
-
-def _loop(m: nn.Module, opt: torch.optim.Optimizer, n: int, *, bad: int | None = None, w: Any = None,
-          dtype: torch.dtype = torch.float32) -> list[float]:
-    g = torch.Generator().manual_seed(1)
-    losses = []
-    for i in range(n):
-        x = torch.randn(3, 4, generator=g).to(dtype)
-        if i == bad:
-            x[0, 0] = math.inf
-        opt.zero_grad()
-        loss = m(x).float().pow(2).mean()
-        loss.backward()
-        opt.step()
-        if w is not None:
-            w.step(loss)
-        losses.append(float(loss.detach()))
-    return losses
+from tests.watch._loops import loop as _loop
+from tests.watch._loops import net as _net
 
 
 def _state(m: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:

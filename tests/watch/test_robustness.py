@@ -12,28 +12,8 @@ import torch
 from torch import nn
 
 from ampdoctor.watch import AnomalyError, _reproducer, watch
-
-
-def _net() -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-    return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
-
-
-def _loop(m: nn.Module, opt: torch.optim.Optimizer, n: int, bad: int | None = None,
-          sparse: bool = False) -> list[float]:
-    g = torch.Generator().manual_seed(1)
-    losses = []
-    for i in range(n):
-        x = torch.randn(3, 4, generator=g)
-        if i == bad:
-            x[0, 0] = math.inf
-        opt.zero_grad()
-        loss = m(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss))
-    return losses
+from tests.watch._loops import loop as _loop
+from tests.watch._loops import net as _net
 
 
 def test_ten_thousand_anomalous_steps_keep_memory_bounded(monkeypatch) -> None:
