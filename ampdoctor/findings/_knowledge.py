@@ -175,6 +175,13 @@ _ROPE = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3",
 _BERT = frozenset({"bert", "roberta", "xlm-roberta", "xlm_roberta", "camembert", "ernie", "albert", "mpnet",
                    "data2vec-text", "data2vec_text", "roberta-prelayernorm", "roberta_prelayernorm", "nezha"})
 
+
+def _bf16_amp(title: str) -> FixProposal:
+    """The automatic switch to bf16 autocast, with the snippet for a transformers model."""
+    return FixProposal(title, "with torch.autocast(device_type, dtype=torch.bfloat16):\n    loss = model(**batch).loss",
+                       id="switch_precision", params={"precision": "bf16-amp"})
+
+
 register(Mechanism(
     key="t5-ff-fp32",
     title="T5 / mT5 / Flan-T5 feed-forward needs float32 in fp16",
@@ -190,9 +197,7 @@ register(Mechanism(
         "float32, so the clamp never runs and the inf reaches the next T5LayerNorm (inf * rsqrt(inf) = NaN). "
         "PR #10956 ran T5LayerFF with autocast disabled for this reason."),
     fixes=(
-        FixProposal("train T5 in bfloat16 (the precision it was pretrained in)",
-                    "with torch.autocast(device_type, dtype=torch.bfloat16):\n    loss = model(**batch).loss",
-                    id="switch_precision", params={"precision": "bf16-amp"}),
+        _bf16_amp("train T5 in bfloat16 (the precision it was pretrained in)"),
         FixProposal("run every T5LayerFF with autocast disabled (as PR #10956 did)",
                     "for block in model.encoder.block + model.decoder.block:\n"
                     "    ff = block.layer[-1]\n"
@@ -218,9 +223,7 @@ register(Mechanism(
         "overflow in fc1/fc2 or attention flows on; in pure fp16 the clamp hides the overflow by pinning values "
         "near 65504 instead of fixing it."),
     fixes=(
-        FixProposal("use bfloat16 (no clamp needed: fp32's exponent range)",
-                    "with torch.autocast(device_type, dtype=torch.bfloat16):\n    loss = model(**batch).loss",
-                    id="switch_precision", params={"precision": "bf16-amp"}),
+        _bf16_amp("use bfloat16 (no clamp needed: fp32's exponent range)"),
         FixProposal("run the overflowing feed-forward (fc1/fc2) in float32", "", id="keep_fp32"),
     ),
     references=("transformers/models/bart/modeling_bart.py (BartEncoderLayer.forward)",
