@@ -57,6 +57,20 @@ def test_json_of_evidence_and_layers_is_the_mapping_they_were_built_from(overflo
                                 for k, v in first.items()}
 
 
+def test_the_schema_types_the_common_evidence_keys(overflow_report: Report) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    from ampdoctor.report import SCHEMA_PATH
+
+    schema = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+    assert set(schema["$defs"]["evidence"]["properties"]) == set(Evidence._TYPES)
+    assert set(schema["$defs"]["layer"]["properties"]) == set(LayerStat._TYPES)
+    validator = jsonschema.Draft202012Validator(schema)
+    doc = json.loads(render_json(overflow_report))
+    assert not list(validator.iter_errors(doc))
+    doc["findings"][0]["evidence"]["numel"] = "512"  # a common key of the wrong type is rejected
+    assert [e.validator for e in validator.iter_errors(doc)] == ["type"]
+
+
 def test_a_json_round_trip_keeps_the_typed_fields(overflow_report: Report) -> None:
     loaded = Report.from_dict(json.loads(render_json(overflow_report)))
     ev, ev0 = loaded.findings[0].evidence, overflow_report.findings[0].evidence
