@@ -143,7 +143,21 @@ def copy_objects(spec: StepSpec) -> tuple[nn.Module, Any, Any]:
             "your objects are never changed: make them deep-copyable (no open files, locks or generators held)"
         ) from e
     _strip_instrument_hooks(model, optimizer)
+    _carry_tensor_hooks(spec.model, model)
     return model, optimizer, scaler
+
+
+def _carry_tensor_hooks(src: nn.Module, model: nn.Module) -> None:
+    """Gradient hooks on the user's parameters (``p.register_hook``, ``register_post_accumulate_grad_hook``: a
+    clamp or ``nan_to_num`` of the gradients) are part of the step, but ``deepcopy`` of a tensor drops them: the
+    copy's parameters get the same hook functions, in order (ampdoctor's own instruments excepted)."""
+    for p, q in zip(src.parameters(), model.parameters()):
+        for h in (p._backward_hooks or {}).values():
+            if not getattr(h, "_ampdoctor_hook", False):
+                q.register_hook(h)
+        for h in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
+            if not getattr(h, "_ampdoctor_hook", False):
+                q.register_post_accumulate_grad_hook(h)
 
 
 def _strip_instrument_hooks(model: nn.Module, optimizer: Any) -> None:

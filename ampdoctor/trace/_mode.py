@@ -117,6 +117,20 @@ def _safe(fn: Any, t: torch.Tensor, *extra: Any, width: int | None = None) -> An
         return torch.full((n,), math.nan, dtype=torch.float64, device=t.device)
 
 
+@functools.cache
+def _flush_limit(dtype: torch.dtype) -> float:
+    """Magnitudes at or below this round to 0 in ``dtype`` (half its smallest subnormal)."""
+    fi = torch.finfo(dtype)
+    return fi.smallest_normal * fi.eps / 2
+
+
+def _flushes(literals: tuple[tuple[Literal, float], ...], dtype: torch.dtype) -> bool:
+    """A nonzero literal of the op is 0 in its output's dtype (``add_(1e-8)`` in fp16): the optimizer phase then
+    keeps full statistics for that output, since the literal rules need its zero counts (a host-side test)."""
+    return bool(literals) and dtype.is_floating_point and any(
+        v != 0 and abs(v) <= _flush_limit(dtype) for _, v in literals)
+
+
 def _placeholder(t: torch.Tensor, n: int) -> torch.Tensor:
     """A finite all-zero statistics row for a tensor whose contents are not data yet."""
     return torch.zeros(n, dtype=torch.float64, device=t.device)
@@ -428,7 +442,7 @@ class RecordingMode(TorchDispatchMode):
         else:
             rec.src, rec.scalars, rec.literals, rec.input_dtypes = ctx.src, ctx.scalars, ctx.literals, ctx.in_dtypes
             rec.index_src = ctx.index_src
-            if phase == "optimizer":
+            if phase == "optimizer" and not _flushes(ctx.literals, t.dtype):
                 self.rows.append(self._lite_row(t))
             else:
                 self.sketch.sample(t, rec.row, self.step, phase)
