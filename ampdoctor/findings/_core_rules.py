@@ -26,7 +26,7 @@ from ampdoctor.findings._common import (
 from ampdoctor.findings._context import Context, nan_record, reference_nonfinite
 from ampdoctor.findings._fp8_casts import clip_candidates as fp8_clip_candidates
 from ampdoctor.findings._fp8_casts import handled as fp8_handled
-from ampdoctor.findings._literals import rounded_literal_candidates
+from ampdoctor.findings._literals import latent_literal_candidates, out_of_range_literal, rounded_literal_candidates
 from ampdoctor.findings._poles import flushed_pole_input
 from ampdoctor.findings._registry import (
     RUN_END,
@@ -46,21 +46,6 @@ SOFTMAX_OPS = ops_with(Kind.SOFTMAX)
 #: cannot be told from any other product at the torch-function level, so it gets keep_fp32 instead
 UPCASTABLE_REDUCTIONS = frozenset(n for n, i in OPS.items() if i.upcast is Upcast.FP32 and (
     i.family is Family.NORM or i.reduces is Reduces.RATIO))
-
-
-def _out_of_range_constant(ctx: Context, r: OpRecord) -> float | None:
-    """A literal in ``r``'s arguments (a Python number or a one-element leaf tensor) beyond its dtype's range."""
-    fmax = limits(r.dtype)[0]
-    for v in r.scalars:
-        if math.isfinite(v) and abs(v) > fmax:
-            return v
-    for i in r.inputs:
-        if i < 0:
-            continue
-        src = ctx.records[i]
-        if src.kind in ("input", "batch") and src.stats.get("numel") == 1 and src.stats["absmax"] > fmax:
-            return src.stats["absmax"] * (-1 if src.stats.get("n_neginf", 0) else 1)
-    return None
 
 
 def _loss_scale_at(ctx: Context, step: int) -> float | None:
@@ -121,7 +106,7 @@ def overflow(ctx: Context) -> list[Candidate]:
         r = o.record
         s = r.stats
         n_inf = int(s["n_posinf"] + s["n_neginf"])
-        if o.deliberate or r.kind != "op" or n_inf == 0 or r.index in fp8_done or _out_of_range_constant(
+        if o.deliberate or r.kind != "op" or n_inf == 0 or r.index in fp8_done or out_of_range_literal(
                 ctx, r) is not None:
             continue
         if reference_nonfinite(ctx, r) or flushed_pole_input(ctx, r) is not None:
@@ -280,8 +265,11 @@ def constant_out_of_range(ctx: Context) -> list[Candidate]:
     (``x + 1e-4`` on values >= 1 in bf16: the result equals ``x`` where fp32's does not). Error when the value it
     should have changed makes a harmful inf/NaN (zeros, or ±1, on the way) -- the literal then precedes that
     symptom as its root cause -- else a warning (info for a no-op offset: eps guards round away by design against
-    large values). Evidence: ``constant``, ``constant_in_dtype``, ``mechanism`` (rounded / no-op),
-    ``consequence``."""
+    large values). A finite literal beyond the dtype's max that makes inf where fp32 holds the finite value, with
+    no harm in this run (``sigmoid(-1e9 -> -inf) = 0``), is a warning (``mechanism`` latent: one fully masked row
+    and it is NaN); ``finfo(dtype).min`` and a literal ``-inf`` are not reported. In every phase: an eps in a custom
+    backward or a hand-written optimizer is judged like one in the forward. Evidence: ``constant``,
+    ``constant_in_dtype``, ``mechanism`` (rounded / no-op / latent), ``consequence``, ``absorbed_by``."""
     # long: the docstring is this code's entry in docs/codes.md; the body is two short loops
     out: list[Candidate] = []
     err = ctx.target.trace.error
@@ -319,7 +307,7 @@ def constant_out_of_range(ctx: Context) -> list[Candidate]:
                 f"literal overflows {dtype_name(r.dtype)} in {user.module or '<root>'}", expl, ev,
                 (_finfo_fix(user.module),), user.step), r.index))
             continue
-        v = _out_of_range_constant(ctx, r)
+        v = out_of_range_literal(ctx, r)
         if v is None:
             continue
         ev = base_evidence(r)
@@ -331,7 +319,7 @@ def constant_out_of_range(ctx: Context) -> list[Candidate]:
             "constant-out-of-range", "error", r.module, r.op, r.phase,
             f"literal {v:g} overflows {dtype_name(r.dtype)} in {r.module or '<root>'}", expl, ev,
             (_finfo_fix(r.module),), r.step), r.index))
-    out.extend(_flushed_literal_candidates(ctx) + rounded_literal_candidates(ctx))
+    out.extend(_flushed_literal_candidates(ctx) + rounded_literal_candidates(ctx) + latent_literal_candidates(ctx))
     return out
 
 

@@ -8,7 +8,12 @@ reference comparison only:
 * *rounded onto ±1*: a literal that is not ±1 becomes exactly ±1 in the dtype (``1 - 1e-6`` in fp16, ``1 - 1e-4`` in
   bf16), so a clamp bound meant to keep values off ±1 lets ±1 through (``atanh(1) = inf``, ``log(1 - 1) = -inf``);
 * *no-op*: ``x + c`` whose result equals ``x`` in the dtype (every |x| is beyond ``|c| / u``: ``x + 1e-4`` on values
-  ~1 in bf16) while the fp32 reference changes.
+  ~1 in bf16) while the fp32 reference changes;
+* *latent overflow*: a finite literal beyond the dtype's max (``(1 - keep) * -1e9`` in fp16) makes inf where the
+  fp32 reference holds the finite value, and nothing harmful comes of it in this run (``sigmoid(-inf) = 0``, a
+  softmax row that keeps other entries): a warning, since one change downstream (a row with every entry masked,
+  ``inf - inf``) turns it into NaN. ``finfo(dtype).min`` fits its dtype, and a literal ``-inf`` is -inf in fp32
+  too (deliberate): neither is reported.
 
 A literal is a Python number the op receives (``.Scalar`` overloads, and numbers in arithmetic, which reach the
 dispatcher as numbers) or a one-element leaf tensor (``torch.tensor(eps)``, a 0-dim wrapped number).
@@ -34,8 +39,9 @@ from ampdoctor.findings._common import (
     src_text,
     where,
 )
-from ampdoctor.findings._context import Context
+from ampdoctor.findings._context import Context, reference_nonfinite
 from ampdoctor.findings._registry import Candidate
+from ampdoctor.findings._remedies import propose
 from ampdoctor.findings._types import Finding, FixProposal
 from ampdoctor.trace import Kind, OpRecord, Role, op_info, ops_with
 
@@ -191,6 +197,53 @@ def _explain(ctx: Context, r: OpRecord, lit: float, harm: OpRecord | None, what:
     return expl, ev
 
 
+def out_of_range_literal(ctx: Context, r: OpRecord) -> float | None:
+    """A literal in ``r``'s arguments (a Python number or a one-element leaf tensor) beyond its dtype's range."""
+    fmax = limits(r.dtype)[0]
+    for v in r.scalars:
+        if math.isfinite(v) and abs(v) > fmax:
+            return v
+    for i in r.inputs:
+        if i < 0:
+            continue
+        src = ctx.records[i]
+        if src.kind in ("input", "batch") and src.stats.get("numel") == 1 and src.stats["absmax"] > fmax:
+            return src.stats["absmax"] * (-1 if src.stats.get("n_neginf", 0) else 1)
+    return None
+
+
+def latent_literal_candidates(ctx: Context) -> list[Candidate]:
+    """``constant-out-of-range`` warnings: an op that turns a finite literal beyond its low dtype's max into inf,
+    where the aligned fp32 record is finite, with no harm in this run (a harmful origin is an error elsewhere)."""
+    out: list[Candidate] = []
+    for o in ctx.origins:
+        r = o.record
+        dt = dtype_name(r.dtype)
+        if o.harmful or o.deliberate or r.kind != "op" or dt not in LOW or ctx.ref(r) is None \
+                or reference_nonfinite(ctx, r) or r.stats.get("n_posinf", 0) + r.stats.get("n_neginf", 0) == 0:
+            continue
+        v = out_of_range_literal(ctx, r)
+        if v is None:
+            continue
+        absorbed = [ctx.records[a] for a in ctx.lineage.absorbed.get(r.index, [])]
+        ev = base_evidence(r)
+        ev.update({"constant": v, "constant_in_dtype": in_dtype(v, dt), "format_max": limits(dt)[0],
+                   "mechanism": "latent", "n_inf": int(r.stats["n_posinf"] + r.stats["n_neginf"])})
+        if absorbed:
+            ev["absorbed_by"] = ctx.describe(absorbed[0])
+        at = f" [{src_text(r)}]" if r.src else ""
+        by = f" ({op_base(absorbed[0].op)} in {absorbed[0].module or '<root>'} absorbs it)" if absorbed else ""
+        expl = (f"{where(r)}{at} uses the literal {v:g}, which is {in_dtype(v, dt):g} in {dt} (max "
+                f"{fmt(limits(dt)[0])}): it makes {ev['n_inf']} inf value(s) where the fp32 reference holds "
+                f"{v:g}. Nothing is damaged in this run{by}, but the values are inf, not large: a row with every "
+                "entry masked, a subtraction of two of them or a product with 0 makes NaN.")
+        out.append(Candidate(Finding(
+            "constant-out-of-range", "warning", r.module, r.op, r.phase,
+            f"literal {v:g} is {in_dtype(v, dt):g} in {dt} in {r.module or '<root>'} (latent)", expl, ev,
+            (propose("mask-finfo-min", modules=[r.module]),), r.step), r.index))
+    return out
+
+
 def _fixes(r: OpRecord, what: str) -> tuple[FixProposal, ...]:
     if what == "rounded":
         return (FixProposal("write the bound in the tensor's dtype: 1 - finfo(dtype).eps is below 1 in every format",
@@ -224,4 +277,5 @@ def rounded_literal_candidates(ctx: Context) -> list[Candidate]:
 
 
 __all__ = ["OFFSETS", "SHIFTS", "feeds_harm", "flushed_literal_evidence", "flushed_literals", "in_dtype",
-           "literals_of", "noop_literals", "rounded_literal_candidates", "rounded_to_one", "zeros_between"]
+           "latent_literal_candidates", "literals_of", "noop_literals", "out_of_range_literal",
+           "rounded_literal_candidates", "rounded_to_one", "zeros_between"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["DTYPES", "DTypeInfo", "FP8_DTYPES", "HALF_DTYPES", "HEADROOM_FORMATS", "dtype_info", "dtype_limits",
-           "dtype_name", "unit_roundoff"]
+           "dtype_name", "flushes_to_zero", "unit_roundoff"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,13 @@ def dtype_limits(dtype: torch.dtype) -> tuple[float, float, float]:
     """``(max, smallest normal, smallest subnormal)`` of a floating dtype (raises ``TypeError`` for others)."""
     fi = torch.finfo(dtype)
     return float(fi.max), float(fi.tiny), float(fi.tiny) * float(fi.eps)
+
+
+def flushes_to_zero(v: float, dtype: torch.dtype) -> bool:
+    """A nonzero ``v`` that is 0 in the listed format ``dtype`` (at most half its smallest subnormal: 1e-8 in
+    fp16); False for formats outside the table. A host-side test, no tensor."""
+    info = _BY_NAME.get(dtype_name(dtype))
+    return info is not None and v != 0 and abs(v) <= info.smallest_subnormal / 2
 
 
 def unit_roundoff(dtype: torch.dtype | str) -> float:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from ampdoctor.trace._dtypes import flushes_to_zero
 from ampdoctor.trace._modules import ModuleAttribution, user_frame
 from ampdoctor.trace._ops import Kind, Literal, literal_values, op_info, ops_with
 from ampdoctor.trace._sample import Sketches
@@ -115,20 +116,6 @@ def _safe(fn: Any, t: torch.Tensor, *extra: Any, width: int | None = None) -> An
     except Exception:  # noqa: BLE001 - observation must not raise into user code
         n = width if width is not None else len(CHEAP_FIELDS) if fn is cheap_stats else len(FULL_FIELDS)
         return torch.full((n,), math.nan, dtype=torch.float64, device=t.device)
-
-
-@functools.cache
-def _flush_limit(dtype: torch.dtype) -> float:
-    """Magnitudes at or below this round to 0 in ``dtype`` (half its smallest subnormal)."""
-    fi = torch.finfo(dtype)
-    return fi.smallest_normal * fi.eps / 2
-
-
-def _flushes(literals: tuple[tuple[Literal, float], ...], dtype: torch.dtype) -> bool:
-    """A nonzero literal of the op is 0 in its output's dtype (``add_(1e-8)`` in fp16): the optimizer phase then
-    keeps full statistics for that output, since the literal rules need its zero counts (a host-side test)."""
-    return bool(literals) and dtype.is_floating_point and any(
-        v != 0 and abs(v) <= _flush_limit(dtype) for _, v in literals)
 
 
 def _placeholder(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -442,10 +429,11 @@ class RecordingMode(TorchDispatchMode):
         else:
             rec.src, rec.scalars, rec.literals, rec.input_dtypes = ctx.src, ctx.scalars, ctx.literals, ctx.in_dtypes
             rec.index_src = ctx.index_src
-            if phase == "optimizer" and not _flushes(ctx.literals, t.dtype):
-                self.rows.append(self._lite_row(t))
+            if phase == "optimizer" and not any(flushes_to_zero(v, t.dtype) for _, v in ctx.literals):
+                self.rows.append(self._lite_row(t))  # (a literal 0 in the dtype: full counts, for literal rules)
             else:
-                self.sketch.sample(t, rec.row, self.step, phase)
+                if phase != "optimizer":
+                    self.sketch.sample(t, rec.row, self.step, phase)
                 self.rows.append(self._full_row(t, BOUNDED_OPS.get(base)))
         self.records.append(rec)
         key = _key(t)

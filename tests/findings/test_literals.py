@@ -165,11 +165,136 @@ def test_fp32_limit_as_fp16_mask_literal(precision, all_padding):
     mask = torch.ones(2, 4)
     mask[1] = 0.0 if all_padding else torch.tensor([0.0, 0.0, 1.0, 1.0])
     report = ampdoctor.diagnose(Encoder(), (x, mask), precision=precision, loss_fn=_loss)
-    if not all_padding:  # -inf on a row that keeps keys: softmax gives fp32's probabilities, nothing to report
-        assert not report.findings
+    if not all_padding:  # -inf on a row that keeps keys: softmax gives fp32's probabilities; a latent hazard only
+        assert report.ok and [(f.code, f.severity, f.module, f.op) for f in report.findings] == [
+            ("constant-out-of-range", "warning", "attn", "aten.mul.Tensor")]
+        assert report.findings[0].evidence["mechanism"] == "latent"
         return
     f = report.findings[0]
     assert (f.code, f.severity, f.module, f.op, f.phase) == (
         "constant-out-of-range", "error", "attn", "aten.mul.Tensor", "forward")
     assert f.evidence["constant"] == pytest.approx(float(torch.finfo(torch.float32).min))
     assert "masked-row-nan" in report.codes()  # the symptom comes after its cause
+
+
+# ------------------------------------------------------------------ a literal whose damage raises much later (item 3)
+class Ban(nn.Module):
+    """Bans tokens by adding a large negative literal to their logits (``-1e9`` is -inf in fp16)."""
+
+    def __init__(self, literal: float) -> None:
+        super().__init__()
+        self.literal = literal
+
+    def forward(self, logits: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+        return logits + banned.to(logits.dtype) * self.literal
+
+
+class Temperature(nn.Module):
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return (z - z.amax(-1, keepdim=True)) / 0.7  # -inf - -inf = NaN on a row with every token banned
+
+
+class Sample(nn.Module):
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return torch.multinomial(torch.softmax(z.float(), -1), 1)  # raises on NaN probabilities
+
+
+class Generator(nn.Module):
+    def __init__(self, literal: float) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 32)
+        self.ban = Ban(literal)
+        self.temp = Temperature()
+        self.sample = Sample()
+
+    def forward(self, x: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+        return self.sample(self.temp(self.ban(self.head(x), banned)))
+
+
+def _generate(literal: float, ban_a_whole_row: bool) -> ampdoctor.Report:
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    banned = torch.zeros(4, 32, dtype=torch.bool)
+    banned[:, :8] = True
+    if ban_a_whole_row:
+        banned[2] = True
+    return ampdoctor.diagnose(Generator(literal), (x, banned), precision="fp16")
+
+
+def test_literal_that_overflows_early_and_crashes_three_modules_later():
+    report = _generate(-1e9, ban_a_whole_row=True)
+    f = report.findings[0]
+    assert (f.code, f.severity, f.module, f.op, f.phase) == (
+        "constant-out-of-range", "error", "ban", "aten.mul.Tensor", "forward")
+    assert f.evidence["constant"] == -1e9
+    exc = f.evidence["exception"]  # the crash, in the sampler, two modules downstream
+    assert exc["op"] == "aten.multinomial.default" and exc["module"] == "sample" and exc["inputs"][0]["n_nan"] > 0
+    assert "raised RuntimeError in aten.multinomial.default" in f.explanation
+    assert "nan-from-inf" in report.codes()  # the symptom (inf - inf in temp) ranks after its cause
+
+
+def test_literal_the_dtype_holds_is_clean_even_on_a_fully_banned_row():
+    report = _generate(-1e4, ban_a_whole_row=True)  # fp16 holds -1e4: the banned row is uniform, as in fp32
+    assert report.ok and not report.findings, [(f.code, f.module) for f in report.findings]
+
+
+# ------------------------------------------------------------------ a literal that overflows with no symptom (item 4)
+class Gate(nn.Module):
+    """``sigmoid(r + (1 - keep) * -1e9)``: the masked gates are 0 whether the literal is -1e9 or -inf."""
+
+    def __init__(self, literal: float) -> None:
+        super().__init__()
+        self.literal = literal
+        self.receptance = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r = self.receptance(x)
+        keep = (torch.arange(8) % 4 != 0).to(r.dtype)  # the mask in the activations' dtype (fp16 under autocast)
+        return torch.sigmoid(r + (1.0 - keep) * self.literal) * x.to(r.dtype)
+
+
+class GateNet(nn.Module):
+    def __init__(self, literal: float) -> None:
+        super().__init__()
+        self.gate = Gate(literal)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.gate(x))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp16-amp"])
+def test_literal_that_is_inf_in_fp16_without_symptom_is_a_latent_warning(precision):
+    torch.manual_seed(0)
+    report = ampdoctor.diagnose(GateNet(-1e9), _x(), precision=precision, loss_fn=_loss)
+    assert report.ok  # the result is fp32's: a warning, not an error
+    f = report.findings[0]
+    assert (f.code, f.severity, f.module, f.op, f.phase) == (
+        "constant-out-of-range", "warning", "gate", "aten.mul.Tensor", "forward")
+    ev = f.evidence
+    assert ev["constant"] == -1e9 and ev["constant_in_dtype"] == float("-inf") and ev["mechanism"] == "latent"
+    assert ev["n_inf"] > 0 and ev["absorbed_by"]["op"] == "aten.sigmoid.default"
+    assert "finfo(x.dtype).min" in f.fixes[0].snippet
+
+
+@pytest.mark.parametrize("literal", [float(torch.finfo(torch.float16).min), float("-inf"), -1e4])
+def test_finfo_min_and_deliberate_inf_masks_stay_clean(literal):
+    torch.manual_seed(0)
+    # in fp16 finfo(fp16).min fits; -inf is -inf in fp32 too (deliberate); -1e4 fits
+    report = ampdoctor.diagnose(GateNet(literal), _x(), precision="fp16", loss_fn=_loss)
+    assert "constant-out-of-range" not in report.codes(), [(f.code, f.module) for f in report.findings]
+    assert report.ok
+
+
+def test_dtype_own_min_in_amp_stays_clean():
+    class OwnMin(Gate):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            r = self.receptance(x)
+            keep = (torch.arange(8) % 4 != 0).to(r.dtype)
+            return torch.sigmoid(r + (1.0 - keep) * torch.finfo(r.dtype).min) * x.to(r.dtype)
+
+    torch.manual_seed(0)
+    net = GateNet(0.0)
+    net.gate = OwnMin(0.0)
+    report = ampdoctor.diagnose(net, _x(), precision="fp16-amp", loss_fn=_loss)
+    assert report.ok and "constant-out-of-range" not in report.codes(), report.codes()

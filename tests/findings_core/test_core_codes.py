@@ -464,7 +464,11 @@ def test_mid_training_low_precision_with_adamw_state(precision):
         assert root.module == "norm" and root.evidence["fraction_lost"] == 1.0
     else:
         assert root.op == "aten.addcdiv_.default" and root.evidence["eps_in_dtype"] == 0.0
-    assert {f.code for f in report.findings} <= {"low-precision-params", "overflow"}
+        # and the literal itself, at the add_ that should have kept the denominator off 0 (after its setup cause)
+        lits = [f for f in report.findings if f.code == "constant-out-of-range"]
+        assert lits and {(f.op, f.phase, f.evidence["constant"]) for f in lits} == {
+            ("aten.add_.Tensor", "optimizer", 1e-8)}
+    assert {f.code for f in report.findings} <= {"low-precision-params", "overflow", "constant-out-of-range"}
 
 
 class _SoftcapHead(nn.Module):
