@@ -352,7 +352,15 @@ def own_error(ctx: Context, r: OpRecord, ref: OpRecord, inherited: float) -> flo
     e_norm = rel(r.stats["norm"], ref.stats["norm"]) if counts_known(r.stats) and counts_known(ref.stats) else 0.0
     worst, rms = inherited_samples(ctx, r)
     inherited = max(inherited, rms) * cancellation_gain(ctx, ref, reduction_length(ctx, r))
-    return max(e_norm - inherited, e_max - max(inherited, worst))
+    return max(added_error(e_norm, inherited), added_error(e_max, max(inherited, worst)))
+
+
+def added_error(error: float, inherited: float) -> float:
+    """The relative error an op adds to the error ``inherited`` it received: ``(1 + error) / (1 + inherited) - 1``,
+    about ``error - inherited`` for small errors. A gradient GradScaler multiplied by S carries error S - 1 against
+    the scale-1 reference: the difference of two such errors is S times the rounding noise, their ratio the noise
+    (healthy fp16-amp runs with a scaler were flagged for 65536 x fp16 rounding)."""
+    return (1.0 + error) / (1.0 + inherited) - 1.0
 
 
 def output_deviation(ctx: Context) -> float | None:

@@ -26,6 +26,7 @@ from ampdoctor.findings._common import (
 from ampdoctor.findings._context import Context
 from ampdoctor.findings._crash import out_of_range_findings
 from ampdoctor.findings._elementwise import AMPLIFIERS, amplified_records, decision_source, element_loss_records
+from ampdoctor.findings._integer_values import integer_rounding_findings
 from ampdoctor.findings._registry import Candidate, rule
 from ampdoctor.findings._types import Finding, FixProposal
 from ampdoctor.trace import Kind, OpRecord, ops_with
@@ -49,10 +50,12 @@ def precision_loss(ctx: Context) -> list[Candidate]:
     ``min(16 * sqrt(K) * u, 0.1)``: fp16 element-wise 0.0078, fp16 matmul with K=1024 0.1 (cap), bf16
     element-wise 0.0625. The observed error is the relative error of the tensor's L2 norm or of its
     |max| against the reference (a lower bound of the element-wise error). A layer's *own* error is what it
-    adds to the error its inputs already carried: ``error(output) - max(error(inputs))`` -- a matmul that
-    receives a 3% error and returns 3.1% is not the culprit; a subtraction that receives 0.2% and returns 80%
-    (catastrophic cancellation: ``x - mean(x)`` of values with a large common offset, ``E[x**2] - E[x]**2``)
-    is. What an input carried is the larger of its norm's / |max|'s error and the relative 2-norm of its sampled
+    adds to the error its inputs already carried: ``(1 + error(output)) / (1 + max(error(inputs))) - 1``, about
+    their difference (a ratio, so that GradScaler's scale S in the gradients, an error of S - 1 against the scale-1
+    reference, cancels) -- a matmul that receives a 3% error and returns 3.1% is not the culprit; a subtraction
+    that receives 0.2% and returns 80% (catastrophic cancellation: ``x - mean(x)`` of values with a large common
+    offset, ``E[x**2] - E[x]**2``) is.
+    What an input carried is the larger of its norm's / |max|'s error and the relative 2-norm of its sampled
     difference from fp32 (norms can agree while elements do not); a K-term sum of products multiplies it by its
     cancellation gain ``sqrt(K) * rms(a) * rms(b) / rms(result)`` (about 1 for terms of random sign), and an
     output's |max| error is also compared with its inputs' worst sampled element error (a |max| is one
@@ -85,13 +88,20 @@ def precision_loss(ctx: Context) -> list[Candidate]:
     ``amplifier_op``, ``amplifier_module``, ``argument_absmax`` and ``argument_abs_error``: sin/cos turn an
     argument's absolute error into the result's absolute error, exp into its relative error, so a relative
     error of u at |argument| A becomes about A * u. When the values come from a batch ampdoctor cast for a pure
-    ``fp16``/``bf16`` precision, the explanation says so (under ``-amp`` the batch stays float32)."""
+    ``fp16``/``bf16`` precision, the explanation says so (under ``-amp`` the batch stays float32).
+
+    Integer values (:mod:`ampdoctor.findings._integer_values`): a tensor of positions, ids or indices (integers in
+    the fp32 reference) cast or computed in a dtype beyond the integers it holds exactly (bf16 256, fp16 2048)
+    rounds distinct integers together (``257 -> 256``): reported at the cast or op that rounded them, with
+    ``integers_exact_up_to``, ``sampled_changed``, ``examples``; an ``error`` when what is computed from them
+    deviates (``sin(pos * freq)`` wrong in some element, a median element off by 25%, the output by 1%)."""
     lost = _lost_accuracy_findings(ctx)
     decisions = _decision_findings(ctx)
     at = {c.order for c in decisions}
     amplified = [c for c in _amplified_findings(ctx) if c.order not in at]
     at |= {c.order for c in amplified}
-    return (_cancellation_findings(ctx) + out_of_range_findings(ctx) + decisions + lost + amplified
+    return (_cancellation_findings(ctx) + out_of_range_findings(ctx) + integer_rounding_findings(ctx) + decisions
+            + lost + amplified
             + [c for c in _element_findings(ctx) if c.order not in at])
 
 

@@ -64,20 +64,49 @@ def saturation(ctx: Context) -> list[Candidate]:
     x >= 8.318 in fp16; a softmax row is exactly one-hot once the runner-up trails by ~8.3. The derivative
     ``1 - y**2`` (``y(1 - y)``, ``y(g - sum(g y))``) is then exactly 0 -- and loss scaling cannot help because
     ``0 * scale = 0``. Severity ``error`` when parameters that feed the op receive exactly-zero gradients in the
-    target but not in the reference (the layers below stop learning), ``warning`` otherwise. Evidence: fraction at
+    target but not in the reference (the layers below stop learning), or when the exact bound becomes a harmful
+    inf downstream: ``1 - p`` is then exactly 0 and a pole turns it into inf (``log(1 - p)`` in a hand-written
+    BCE, the backward of a focal loss's ``(1 - p) ** gamma`` with gamma < 1) -- the saturation, not an underflow
+    or an overflow, is the root cause (evidence ``zeros_op``, ``pole_op``); ``warning`` otherwise. Evidence: fraction at
     the bound in target vs reference, the input |max|, the threshold, the dtype's spacing below 1, the gradient
     zero fraction of the upstream parameters."""
     out: list[Candidate] = []
+    poles = _pole_hits(ctx)
     for r, ref, ft, fr in ctx.saturated:
         facts = _facts(ctx, r, ref, ft, fr)
-        if not facts.dead and (facts.bwd_zero is None or facts.bwd_zero < 0.5) and ft < 0.5:
+        pole = poles.get(r.index)
+        if pole is None and not facts.dead and (facts.bwd_zero is None or facts.bwd_zero < 0.5) and ft < 0.5:
             continue  # a few saturated entries whose gradient still flows elsewhere (GELU-tanh's x path)
         base, dt = op_base(r.op), dtype_name(r.dtype)
+        expl, ev = _explanation(facts), facts.evidence
+        if pole is not None:
+            zeros, inf_op = pole
+            ev = dict(ev, zeros_op=ctx.describe(zeros), pole_op=inf_op.op, pole=ctx.describe(inf_op),
+                      n_inf=int(inf_op.stats["n_posinf"] + inf_op.stats["n_neginf"]))
+            zref = ctx.ref(zeros)
+            held = f"values down to {fmt(zref.stats.get('min_nonzero', math.nan))}" if zref else "nonzero values"
+            expl += (f" Computed from these exact bounds, {where(zeros)} returns exactly 0 where fp32 holds {held} "
+                     f"(1 - p of a p that is exactly 1), and {where(inf_op)} maps those zeros to inf (a pole at 0: "
+                     "log(0), 1/0, 0 ** negative); the inf reaches the loss or the gradients.")
         out.append(Candidate(Finding(
-            "saturation", "error" if facts.dead else "warning", r.module, r.op, r.phase,
+            "saturation", "error" if facts.dead or pole is not None else "warning", r.module, r.op, r.phase,
             f"{base} saturates to {BOUNDS[base].text} in {dt} in {r.module or '<root>'}"
-            + (": gradients below it are exactly zero" if facts.dead else ""),
-            _explanation(facts), facts.evidence, _fixes(facts), r.step), r.index))
+            + (": gradients below it are exactly zero" if facts.dead else "")
+            + (f", and {op_base(pole[1].op)} turns the exact 0 it leaves into inf" if pole is not None else ""),
+            expl, ev, _fixes(facts), r.step), r.index))
+    return out
+
+
+def _pole_hits(ctx: Context) -> dict[int, tuple[OpRecord, OpRecord]]:
+    """Saturated record index -> (the op whose zeros it made, the pole op that turned them into a harmful inf)."""
+    from ampdoctor.findings._poles import flushed_pole_input, saturated_feeder
+
+    out: dict[int, tuple[OpRecord, OpRecord]] = {}
+    for o in ctx.harmful_origins():
+        hit = flushed_pole_input(ctx, o.record)
+        sat = saturated_feeder(ctx, hit[0]) if hit is not None else None
+        if hit is not None and sat is not None and sat.index not in out:
+            out[sat.index] = (hit[0], o.record)
     return out
 
 

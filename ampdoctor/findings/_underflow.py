@@ -120,13 +120,13 @@ def underflow(ctx: Context) -> list[Candidate]:
 def _pole_candidates(ctx: Context) -> list[Candidate]:
     """A harmful inf made by a pole (log, 1/x, rsqrt, x / d) from zeros an upstream op flushed: the underflow there
     is the root cause, however few values it flushed (``log(softmax(x))``: probabilities below 6e-8 become 0)."""
-    from ampdoctor.findings._poles import flushed_pole_input
+    from ampdoctor.findings._poles import flushed_pole_input, saturated_feeder
 
     out: list[Candidate] = []
     for o in ctx.harmful_origins():
         hit = flushed_pole_input(ctx, o.record)
-        if hit is None:
-            continue
+        if hit is None or saturated_feeder(ctx, hit[0]) is not None:
+            continue  # no pole hit, or zeros 1 - p of a saturated p: the saturation rule reports it
         src, extra = hit
         r = o.record
         dt = dtype_name(src.dtype)

@@ -1,0 +1,171 @@
+"""Publicly reported mixed-precision failures from outside this repository, run the way a user would
+(``ampdoctor.diagnose(model, batch, precision=..., loss_fn=...)``). Each case's source (issue / PR) is in its
+registration in ``bench/_field_cases.py``. ``findings[0]`` must name the expected code, module, op and phase; the
+numbers its evidence quotes are recomputed here independently in fp32/fp16; the healthy twin (same model, the
+magnitudes that fit) must have no error finding and nothing of that code at that module.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from _field_cases import CASES
+
+import ampdoctor
+
+_REPORTS: dict[tuple[str, bool], tuple[dict[str, Any], ampdoctor.Report]] = {}
+
+
+def _diagnose(name: str, bad: bool) -> tuple[dict[str, Any], ampdoctor.Report]:
+    if (name, bad) not in _REPORTS:
+        spec = CASES[name].build(bad)
+        _REPORTS[name, bad] = (spec, ampdoctor.diagnose(**spec))
+    return _REPORTS[name, bad]
+
+
+def _describe(r: ampdoctor.Report) -> str:
+    return "; ".join(f"{f.code} {f.module!r} {f.op} {f.phase} ({f.severity})" for f in r.findings[:5]) or "none"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_root_cause_is_named(name: str) -> None:
+    _, report = _diagnose(name, True)
+    assert report.findings, f"{name}: no finding"
+    f = report.findings[0]
+    assert (f.code, f.module, f.op, f.phase) == CASES[name].expect, _describe(report)
+    assert f.severity == "error" and not report.ok, _describe(report)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_healthy_twin_stays_clean(name: str) -> None:
+    _, report = _diagnose(name, False)
+    code, module, _, _ = CASES[name].expect
+    assert not [f for f in report.findings if f.severity == "error"], _describe(report)
+    assert not [f for f in report.findings if f.code == code and f.module == module], _describe(report)
+
+
+# ------------------------------------------------------------------ the numbers each explanation quotes
+def _fp32_forward(spec: dict[str, Any], module: torch.nn.Module, fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """``fn(module_inputs, module_output)`` captured from the fp32 model's forward."""
+    got: list[torch.Tensor] = []
+    h = module.register_forward_hook(lambda m, a, o: got.append(fn(a, o)))
+    try:
+        with torch.no_grad():
+            b = spec["batch"]
+            spec["model"](**b) if isinstance(b, dict) else spec["model"](b)
+    finally:
+        h.remove()
+    return got[0]
+
+
+def test_mamba_softplus_numbers() -> None:
+    spec, report = _diagnose("mamba-softplus-exp", True)
+    ev = report.findings[0].evidence
+    m = spec["model"].mixer
+    pre = _fp32_forward(spec, m.dt_proj, lambda a, o: o)
+    assert ev["ref_absmax"] == pytest.approx(math.exp(pre.max().item()), rel=1e-3)  # exp(dt) in fp32
+    assert ev["ref_absmax"] > ev["format_max"] == 65504.0 and math.log(65504) < pre.min().item()
+
+
+def test_efficientvit_numbers() -> None:
+    spec, report = _diagnose("efficientvit-linear-attention", True)
+    ev = report.findings[0].evidence
+
+    def products(a: Any, o: Any) -> torch.Tensor:
+        q, k, v = spec["model"].attn.qkv(a[0]).chunk(3, -1)
+        v = torch.nn.functional.pad(v, (0, 1), value=1.0)
+        vk = torch.matmul(v.transpose(1, 2), torch.relu(k))  # sums over the 512 tokens
+        out = torch.matmul(vk, torch.relu(q).transpose(1, 2))
+        return torch.stack([vk.abs().max(), out.abs().max()])
+
+    vk_max, out_max = _fp32_forward(spec, spec["model"].attn, products).tolist()
+    assert vk_max < 65504 < out_max  # v^T k fits fp16; (v^T k) q does not
+    assert ev["ref_absmax"] == pytest.approx(out_max, rel=2e-3)
+
+
+def test_ntxent_eps_numbers() -> None:
+    _, report = _diagnose("ntxent-normalize-eps", True)
+    ev = report.findings[0].evidence
+    assert ev["constant"] == pytest.approx(1e-12) and ev["constant_in_dtype"] == 0.0
+    assert torch.tensor(1e-12, dtype=torch.float16).item() == 0.0
+
+
+def test_batchnorm_running_var_numbers() -> None:
+    spec, report = _diagnose("batchnorm-running-var-fp16", True)
+    f = report.findings[0]
+    stored = spec["model"].bn.running_var
+    assert f.evidence["buffer"] == "bn.running_var" and f.evidence["ref_absmax"] == pytest.approx(stored.max().item())
+    assert torch.isinf(stored.half()).all()  # 9e4 > 65504: every element is inf in fp16
+
+
+def test_flux_ids_numbers() -> None:
+    _, report = _diagnose("flux-ids-bf16", True)
+    ev = report.findings[0].evidence
+    assert ev["integers_exact_up_to"] == 256 and ev["ref_absmax"] == 511
+    assert ev["sampled_changed"] >= 1 and "lossy_op" in ev
+    for ex in ev["examples"]:  # each example is the exact bf16 rounding of an integer beyond 256
+        assert ex["reference"] > 256 and ex["target"] == torch.tensor(ex["reference"]).bfloat16().item()
+        assert ex["target"] != ex["reference"]
+
+
+def test_sd_vae_residual_numbers() -> None:
+    spec, report = _diagnose("sd-vae-decoder-residual", True)
+    ev = report.findings[0].evidence
+    block = spec["model"].vae.decoder.up_blocks[0].resnets[0]
+    ref = _fp32_forward(spec, block, lambda a, o: o.abs().max()).item()  # (input + branch) / 1.0 in fp32
+    branch = _fp32_forward(spec, block.conv2, lambda a, o: o.abs().max()).item()
+    stream = _fp32_forward(spec, block, lambda a, o: a[0].abs().max()).item()
+    assert ev["ref_absmax"] == pytest.approx(ref, rel=1e-3) and ref > 65504
+    assert branch < 65504 and stream < 65504  # each operand fits: only the residual add overflows
+
+
+def test_focal_loss_numbers() -> None:
+    _, report = _diagnose("focal-loss-sigmoid-pow", True)
+    f = report.findings[0]
+    ev = f.evidence
+    assert ev["pole_op"] == "aten.pow.Tensor_Scalar" and ev["pole"]["phase"] == "backward"  # 0.5 * 0 ** -0.5
+    assert ev["pole"]["node"] == "PowBackward0" and ev["zeros_op"]["op"] == "aten.rsub.Scalar"  # 1 - p = 0
+    assert ev["saturation_threshold"] == pytest.approx(math.log(2 / 2 ** -11 - 1))  # 8.317
+    assert ev["input_absmax"] > ev["saturation_threshold"]
+    assert torch.sigmoid(torch.tensor(ev["input_absmax"], dtype=torch.float16)).item() == 1.0
+    assert torch.sigmoid(torch.tensor(ev["input_absmax"])).item() < 1.0
+    assert not any(g.code == "underflow" for g in report.findings)  # 1 - p = 0 is not a value below 6e-8
+
+
+def test_sse_numbers() -> None:
+    spec, report = _diagnose("sse-loss-sum-fp16", True)
+    ev = report.findings[0].evidence
+    with torch.no_grad():
+        ref = spec["loss_fn"](spec["model"](spec["batch"]), None).item()
+    assert ev["ref_absmax"] == pytest.approx(ref, rel=1e-3) and ref > 65504
+
+
+def test_var_layernorm_numbers() -> None:
+    spec, report = _diagnose("var-layernorm-fp16", True)
+    ev = report.findings[0].evidence
+    ref = _fp32_forward(spec, spec["model"].ln, lambda a, o: a[0].var(-1, unbiased=False).max()).item()
+    assert ev["ref_absmax"] == pytest.approx(ref, rel=1e-3) and ref > 65504
+
+
+def test_infonce_numbers() -> None:
+    _, report = _diagnose("infonce-exp-no-max", True)
+    ev = report.findings[0].evidence
+    assert ev["ref_absmax"] == pytest.approx(math.exp(1 / 0.05), rel=1e-2)  # cosine 1 on the diagonal / tau
+
+
+def test_bert_tagger_numbers() -> None:
+    _, report = _diagnose("bert-tagger-hand-bce", True)
+    ev = report.findings[0].evidence
+    assert ev["pole_op"] == "aten.log.default" and ev["zeros_op"]["op"] == "aten.rsub.Scalar"  # log(1 - p)
+    assert ev["input_absmax"] > ev["saturation_threshold"]
+
+
+def test_cumsum_positions_numbers() -> None:
+    _, report = _diagnose("cumsum-positions-bf16", True)
+    ev = report.findings[0].evidence
+    assert ev["integers_exact_up_to"] == 256 and ev["ref_absmax"] == 600  # mask.cumsum(-1): 1..600
+    assert all(torch.tensor(x["reference"]).bfloat16().item() == x["target"] for x in ev["examples"])
