@@ -1,0 +1,442 @@
+"""Field cases: tiny reproductions of publicly reported mixed-precision failures from outside this repository.
+
+Each case is one registered builder (``@case(name, ...)``) taking ``bad`` (the reported failure) or not (its
+healthy twin: the same model and step with magnitudes that fit) and returning ``diagnose`` keyword arguments.
+``expect`` is what a demanding user expects of ``findings[0]``: ``(code, module, op, phase)``. Magnitudes are the
+ones the reports describe (logits ~10 for a saturated sigmoid, activations ~4e4 in a VAE decoder, positions up
+to 511). Registering a name twice raises. Used by ``tests/field`` and ``bench/field.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    source: str  # issue / PR URL and title
+    expect: tuple[str, str, str, str]  # code, module, op, phase of findings[0]
+    build: Callable[[bool], dict[str, Any]]
+
+
+CASES: dict[str, Case] = {}
+
+
+def case(name: str, source: str, expect: tuple[str, str, str, str]) -> Callable[..., Any]:
+    def deco(fn: Callable[[bool], dict[str, Any]]) -> Callable[[bool], dict[str, Any]]:
+        if name in CASES:
+            raise ValueError(f"field case {name!r} is already registered")
+        CASES[name] = Case(name, source, expect, fn)
+        return fn
+    return deco
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ------------------------------------------------------------------ 1. Mamba-style mixer: hand-written softplus
+class Mixer(nn.Module):
+    """A selective-state-space mixer: ``dt = log(1 + exp(dt_proj(h)))`` written by hand, ``dA = exp(dt * A)``."""
+
+    def __init__(self, d: int = 16, n: int = 4) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(d, 2 * d)
+        self.dt_proj = nn.Linear(d, d)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1).float()).repeat(d, 1))
+        self.out_proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, z = self.in_proj(x).chunk(2, -1)
+        dt = torch.log(1 + torch.exp(self.dt_proj(h)))  # softplus without the x > 20 shortcut
+        d_a = torch.exp(dt[..., None] * -torch.exp(self.A_log))
+        y = (d_a * h[..., None]).sum(-1) * dt
+        return self.out_proj(y * F.silu(z))
+
+
+class SSM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.mixer = Mixer()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mixer(self.embed(x)))
+
+
+def mean_square(out: torch.Tensor, batch: Any) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
+@case("mamba-softplus-exp", "https://github.com/openvinotoolkit/openvino/pull/31654 ([GPU] Fix nan values in "
+      "SoftPlus: exp(x) overflows fp16 for x > 11.09); unslothai/unsloth-zoo#211 (Falcon-H1 mamba fp16 NaN)",
+      ("overflow", "mixer", "aten.exp.default", "forward"))
+def mamba_softplus(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    m = SSM()
+    with torch.no_grad():
+        m.mixer.dt_proj.bias.fill_(14.0 if bad else 2.0)  # dt pre-activations ~14: exp(14) = 1.2e6 > 65504
+    return {"model": m, "batch": torch.randn(2, 6, 8, generator=_gen(1)), "precision": "fp16",
+            "loss_fn": mean_square}
+
+
+# ------------------------------------------------------------------ 2. EfficientViT ReLU linear attention
+class LiteMLA(nn.Module):
+    """EfficientViT's ReLU linear attention: ``(v^T k) q`` summed over all N tokens, ``/ (k-sum . q + eps)``."""
+
+    def __init__(self, d: int = 16, eps: float = 1e-15) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        q, k = F.relu(q), F.relu(k)
+        v = F.pad(v, (0, 1), value=1.0)
+        vk = torch.matmul(v.transpose(1, 2), k)  # (B, d+1, d): a sum over the N tokens
+        out = torch.matmul(vk, q.transpose(1, 2))
+        out = out[:, :-1] / (out[:, -1:] + self.eps)
+        return self.proj(out.transpose(1, 2))
+
+
+class LinearViT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 16)
+        self.attn = LiteMLA()
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(self.stem(x)).mean(1))
+
+
+_VIT_Y = torch.randint(0, 10, (2,), generator=_gen(2))
+
+
+def vit_ce(out: torch.Tensor, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(out.float(), _VIT_Y)
+
+
+@case("efficientvit-linear-attention", "https://github.com/mit-han-lab/efficientvit/issues/110 (FP16 training "
+      "NaN after removing qkv.float() in relu_linear_att)", ("overflow", "attn", "aten.bmm.default", "forward"))
+def efficientvit(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    m = LinearViT()
+    with torch.no_grad():
+        m.stem.weight.mul_(12.0 if bad else 1.0)  # token features ~10: v^T k over 512 tokens ~1.6e5
+    return {"model": m, "batch": torch.randn(2, 512, 8, generator=_gen(1)), "precision": "fp16-amp",
+            "loss_fn": vit_ce, "scaler": torch.amp.GradScaler("cpu")}
+
+
+# ------------------------------------------------------------------ 3. NT-Xent loss: F.normalize's eps in fp16
+class Projector(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.backbone(x)))
+
+
+def ntxent(out: torch.Tensor, batch: Any, tau: float = 0.5) -> torch.Tensor:
+    z = F.normalize(out, dim=1)  # denominator clamp_min(eps=1e-12): 0 in fp16
+    sim = z @ z.t() / tau
+    return sim.float().logsumexp(1).mean()
+
+
+@case("ntxent-normalize-eps", "https://github.com/lightly-ai/lightly/issues/1259 (NTXentLoss: F.normalize's "
+      "eps 1e-12 is 0 in half precision -> division by zero -> NaN)",
+      ("constant-out-of-range", "", "aten.clamp_min.default", "forward"))
+def ntxent_case(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    m = Projector()
+    with torch.no_grad():
+        if bad:  # a collapsed projector: every output row exactly 0
+            m.head.weight.zero_()
+            m.head.bias.zero_()
+    return {"model": m, "batch": torch.randn(6, 8, generator=_gen(3)), "precision": "fp16", "loss_fn": ntxent}
+
+
+# ------------------------------------------------------------------ 4. BatchNorm running_var stored in fp16
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+@case("batchnorm-running-var-fp16", "https://github.com/apple/coreai-torch/pull/54 (fp16 batch norm: a running_var "
+      "above 65504 becomes inf and silently zeroes the output); NVIDIA/apex#133 keep_batchnorm_fp32",
+      ("overflow", "bn", "", "setup"))
+def batchnorm(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    m = ConvNet()
+    var = 3e5 if bad else 1e3  # conv outputs of std ~550 (variance 3e5) vs ~30
+    with torch.no_grad():
+        m.conv.weight.mul_(math.sqrt(var))
+        m.bn.running_var.fill_(var * 0.3)
+    return {"model": m.eval(), "batch": torch.randn(2, 3, 8, 8, generator=_gen(4)), "precision": "fp16"}
+
+
+# ------------------------------------------------------------------ 5. text/image ids cast to bf16 (Flux EmbedND)
+class EmbedND(nn.Module):
+    """Rotary angles from integer ids, computed in float64 as Flux does: ``ids[..., None] * omega``."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.d = d
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        omega = 1.0 / (10000 ** (torch.arange(0, self.d, 2, dtype=torch.float64, device=ids.device) / self.d))
+        ang = ids.double()[..., None] * omega
+        return torch.cat([ang.sin(), ang.cos()], -1).float()
+
+
+class IdsTransformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pe = EmbedND()
+        self.inp = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.to(self.inp.weight.dtype)  # "all values passed to the transformer are cast to the train dtype"
+        return self.out(self.inp(x) + self.pe(ids).to(self.inp.weight.dtype))
+
+
+@case("flux-ids-bf16", "https://github.com/Nerogar/OneTrainer/issues/1177 (text ids cast to bfloat16 mix up "
+      "tokens for prompts up to 512 tokens); RosettaCommons/foundry#236 (bf16 indices alias beyond 256)",
+      ("precision-loss", "", "aten._to_copy.default", "forward"))
+def flux_ids(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    t = 512 if bad else 200  # bf16 holds every integer only up to 256
+    return {"model": IdsTransformer(), "precision": "bf16",
+            "batch": {"x": torch.randn(1, t, 8, generator=_gen(5)), "ids": torch.arange(t)[None]}}
+
+
+# ------------------------------------------------------------------ 6. SD VAE decoder: residual add past 65504
+class VaeDecode(nn.Module):
+    def __init__(self, vae: nn.Module) -> None:
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.vae.decode(z).sample
+
+
+@case("sd-vae-decoder-residual", "https://github.com/huggingface/diffusers/issues/7188 (NaN in SDXL's VAE in "
+      "fp16; the fix is madebyollin/sdxl-vae-fp16-fix: internal activations too large for fp16)",
+      ("overflow", "vae.decoder.up_blocks.0.resnets.0", "aten.add.Tensor", "forward"))
+def sd_vae(bad: bool) -> dict[str, Any]:
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+                        latent_channels=4, norm_num_groups=4, sample_size=16)
+    with torch.no_grad():  # a residual stream ~3.5e4 plus a branch ~3e4: each fits fp16, the sum does not
+        d = vae.decoder
+        d.conv_in.weight.mul_(3000.0)
+        d.conv_in.bias.fill_(3.5e4)
+        d.up_blocks[0].resnets[0].conv2.bias.fill_(3e4 if bad else 1e4)
+    return {"model": VaeDecode(vae.eval()), "batch": torch.randn(1, 4, 8, 8, generator=_gen(11)),
+            "precision": "fp16"}
+
+
+# ------------------------------------------------------------------ 7. focal loss: sigmoid saturates, pow pole
+class Detector(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.cls = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.cls(F.relu(self.body(x)))
+
+
+_FOCAL_T = torch.ones(8, 4)
+
+
+def focal(out: torch.Tensor, batch: Any, gamma: float = 0.5, alpha: float = 0.25) -> torch.Tensor:
+    p = torch.sigmoid(out)
+    pt = p * _FOCAL_T + (1 - p) * (1 - _FOCAL_T)
+    return (-alpha * (1 - pt) ** gamma * torch.log(pt.clamp_min(1e-4))).float().mean()
+
+
+@case("focal-loss-sigmoid-pow", "https://github.com/kornia/kornia/issues/918 (NaN gradients on backward with "
+      "focal loss when sigmoid(prediction) equals 1 and 0 < gamma < 1)",
+      ("saturation", "", "aten.sigmoid.default", "forward"))
+def focal_case(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    m = Detector()
+    with torch.no_grad():  # confident logits ~10: sigmoid(10) = 1 - 4.5e-5 is exactly 1 in fp16
+        m.cls.weight.mul_(0.1)
+        m.cls.bias.fill_(10.0 if bad else 3.0)
+    return {"model": m, "batch": torch.randn(8, 8, generator=_gen(6)), "precision": "fp16", "loss_fn": focal}
+
+
+# ------------------------------------------------------------------ 8. sum-of-squares loss in fp16
+class Regressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(8, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _sse_loss(target: torch.Tensor) -> Callable[[torch.Tensor, Any], torch.Tensor]:
+    def sse(out: torch.Tensor, batch: Any) -> torch.Tensor:
+        return ((out - target.to(out.dtype)) ** 2).sum()
+    return sse
+
+
+@case("sse-loss-sum-fp16", "https://github.com/Xilinx/brevitas/pull/1496 (a loss summed over many elements in "
+      "(b)float16 overflows); tracel-ai/burn#4769 (sum before divide overflows f16 although the mean fits)",
+      ("overflow", "", "aten.sum.default", "forward"))
+def sse_case(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    target = (8.0 if bad else 1.0) * torch.randn(32, 64, generator=_gen(8))  # 2048 squares of ~64: 1.3e5
+    return {"model": Regressor(), "batch": torch.randn(32, 8, generator=_gen(7)), "precision": "fp16",
+            "loss_fn": _sse_loss(target)}
+
+
+# ------------------------------------------------------------------ 9. hand-written LayerNorm with torch.var
+class VarLayerNorm(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mu = x.mean(-1, keepdim=True)
+        var = x.var(-1, keepdim=True, unbiased=False)
+        return (x - mu) / torch.sqrt(var + 1e-5) * self.weight + self.bias
+
+
+class NormBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+        self.ln = VarLayerNorm()
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln(self.fc(x)))
+
+
+@case("var-layernorm-fp16", "https://github.com/pytorch/pytorch/pull/126525 (Half var_sum overflows in batchnorm "
+      "statistics: use float); a hand-written LayerNorm's torch.var of activations ~300 exceeds 65504",
+      ("overflow", "ln", "aten.var.correction", "forward"))
+def var_ln(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    m = NormBlock()
+    with torch.no_grad():
+        m.fc.weight.mul_(600.0 if bad else 1.0)  # activations of std ~380: variance 1.4e5
+    return {"model": m, "batch": torch.randn(4, 16, generator=_gen(10)), "precision": "fp16"}
+
+
+# ------------------------------------------------------------------ 10. InfoNCE without max subtraction
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.f(x)
+
+
+def _infonce(tau: float) -> Callable[[torch.Tensor, Any], torch.Tensor]:
+    def loss(out: torch.Tensor, batch: Any) -> torch.Tensor:
+        z = out / out.norm(dim=-1, keepdim=True)
+        e = torch.exp(z @ z.roll(1, 0).t() / tau)  # softmax by hand, no max subtraction: exp(1 / 0.05) = 4.9e8
+        return (-torch.log(e.diagonal() / e.sum(-1))).float().mean()
+    return loss
+
+
+@case("infonce-exp-no-max", "https://github.com/Lightning-Universe/lightning-bolts/issues/811 (SimCLR nt_xent_loss "
+      "overflows on low temperatures because of e ** (1 / temperature))", ("overflow", "", "aten.exp.default",
+                                                                           "forward"))
+def infonce(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    return {"model": Encoder(), "batch": torch.randn(8, 8, generator=_gen(9)), "precision": "fp16",
+            "loss_fn": _infonce(0.05 if bad else 0.2)}
+
+
+# ------------------------------------------------------------------ second families for the fixes
+class Tagger(nn.Module):
+    """A tiny BERT with a sigmoid multi-label head (hand-written BCE in the loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertModel
+
+        cfg = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        self.bert = BertModel(cfg, add_pooling_layer=False)
+        self.tags = nn.Linear(16, 5)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.tags(self.bert(input_ids).last_hidden_state[:, 0])
+
+
+def hand_bce(out: torch.Tensor, batch: Any) -> torch.Tensor:
+    p = torch.sigmoid(out)
+    t = torch.zeros_like(p)  # the confident tags are wrong: log(1 - p)
+    return -(t * torch.log(p) + (1 - t) * torch.log(1 - p)).float().mean()
+
+
+@case("bert-tagger-hand-bce", "second family for the saturation -> pole fix: a hand-written BCE "
+      "-(t log p + (1 - t) log(1 - p)) on a sigmoid head (pytorch/pytorch#29429-style fp16 loss NaN)",
+      ("saturation", "", "aten.sigmoid.default", "forward"))
+def bert_tagger(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    m = Tagger()
+    with torch.no_grad():
+        m.tags.weight.mul_(0.1)
+        m.tags.bias.fill_(10.0 if bad else 3.0)
+    return {"model": m.train(), "batch": {"input_ids": torch.randint(1, 64, (4, 6), generator=_gen(12))},
+            "precision": "fp16", "loss_fn": hand_bce}
+
+
+class PaddedPositions(nn.Module):
+    """Positions counted from the attention mask (``mask.cumsum(-1)``) in the model's dtype, then sinusoids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        pos = attention_mask.to(self.inp.weight.dtype).cumsum(-1) - 1  # left padding: positions start at 0
+        freqs = torch.exp(-math.log(1e4) * torch.arange(0, 16, 2, device=x.device) / 16).float()
+        ang = pos.float()[..., None] * freqs
+        pe = torch.cat([ang.sin(), ang.cos()], -1).to(self.inp.weight.dtype)
+        return self.out(self.inp(x) + pe)
+
+
+@case("cumsum-positions-bf16", "second family for the integer-rounding fix: position ids from attention_mask.cumsum "
+      "computed in bf16 (RosettaCommons/foundry#236: bf16 holds integers exactly only up to 256)",
+      ("precision-loss", "", "aten.cumsum.default", "forward"))
+def cumsum_positions(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    t = 600 if bad else 200
+    mask = torch.ones(2, t, dtype=torch.long)
+    mask[1, :20] = 0
+    return {"model": PaddedPositions(), "precision": "bf16",
+            "batch": {"x": torch.randn(2, t, 8, generator=_gen(13)), "attention_mask": mask}}
