@@ -95,6 +95,7 @@ def precision_loss(ctx: Context) -> list[Candidate]:
     rounds distinct integers together (``257 -> 256``): reported at the cast or op that rounded them, with
     ``integers_exact_up_to``, ``sampled_changed``, ``examples``; an ``error`` when what is computed from them
     deviates (``sin(pos * freq)`` wrong in some element, a median element off by 25%, the output by 1%)."""
+    # long: the docstring is this code's entry in docs/codes.md
     lost = _lost_accuracy_findings(ctx)
     decisions = _decision_findings(ctx)
     at = {c.order for c in decisions}
