@@ -24,7 +24,7 @@ from ampdoctor.findings._ranks import agree
 from ampdoctor.findings._registry import CODE_INFO, RULES, Candidate, CodeInfo, Order, Stage, at, codes_markdown, rule
 from ampdoctor.findings._remedies import REMEDIES, Remedy, remedies_for
 from ampdoctor.findings._summary import layers, summary
-from ampdoctor.findings._types import CODES, SCHEMA_VERSION, Finding, FixProposal, Report, RunSummary, Site
+from ampdoctor.findings._types import CODES, SCHEMA_VERSION, Finding, FixProposal, Link, Report, RunSummary, Site
 from ampdoctor.findings._types import _jsonable as jsonable
 
 _SEVERITY_RANK = {"error": 0, "warning": 1, "info": 2}
@@ -74,6 +74,7 @@ __all__ = [
     "Finding",
     "FixProposal",
     "LayerStat",
+    "Link",
     "Order",
     "Remedy",
     "Report",

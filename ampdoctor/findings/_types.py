@@ -222,13 +222,41 @@ class Site:
 
 
 @dataclass(frozen=True)
+class Link:
+    """One step of the lineage chain ``summary["chain"]`` (origin -> first NaN -> loss): an op in a module and
+    phase, and what happened there; absent or malformed fields read ``""``.
+
+    >>> Link.of({"op": "aten.pow.Tensor_Scalar", "module": "mlp", "phase": "backward", "what": "inf * 0"}).what
+    'inf * 0'
+    """
+
+    op: str = ""
+    module: str = ""
+    phase: str = ""
+    what: str = ""
+
+    @classmethod
+    def of(cls, raw: Any) -> Link | None:
+        """The link of a mapping; ``None`` for anything else."""
+        if not isinstance(raw, Mapping):
+            return None
+        return cls(*(str(raw.get(k) or "") for k in ("op", "module", "phase", "what")))
+
+
+def _floats(v: Any) -> tuple[float | None, ...] | None:
+    return tuple(_num(x) for x in v) if isinstance(v, (list, tuple)) else None
+
+
+@dataclass(frozen=True)
 class RunSummary:
     """The run facts of :attr:`Report.summary` every renderer shows, typed once (:attr:`Report.run`).
 
     ``Report.summary`` stays the JSON mapping (with rule-specific extras: origins, chain, scales, fp8); this is
     its common part read once, tolerating reports loaded from older or partial JSON: an absent or malformed
-    field is ``None`` (``forward_only``: ``False``). ``loss_target``/``loss_reference`` are ``None`` when the
-    report has no such key, else one float (or ``None``) per step.
+    field is ``None`` (``forward_only``: ``False``, ``chain``: empty). ``loss_target``/``loss_reference`` are
+    ``None`` when the report has no such key, else one float (or ``None``) per step. ``scales`` is the loss scale
+    after each step, ``skipped`` the indices of skipped steps when the summary lists them, ``initial_scale`` the
+    scale before step 0.
 
     >>> run = RunSummary.of({"precision": "fp16", "steps": 1, "loss_target": ["nan"], "elapsed_s": 0.2})
     >>> run.precision, run.steps, run.loss_target, run.loss_reference, run.first_nan
@@ -247,6 +275,10 @@ class RunSummary:
     first_nonfinite: Site | None = None
     first_nan: Site | None = None
     skipped_steps: int | None = None
+    chain: tuple[Link, ...] = ()
+    scales: tuple[float | None, ...] | None = None
+    skipped: tuple[int, ...] | None = None
+    initial_scale: float | None = None
 
     @classmethod
     def of(cls, summary: Any, precision: str | None = None) -> RunSummary:
@@ -264,13 +296,19 @@ class RunSummary:
             return str(v) if v not in (None, "") else None
 
         elapsed = _num(s.get("elapsed_s"))
+        skipped = s.get("skipped")
+        chain = s.get("chain")
         return cls(
             precision=precision if precision is not None else text("precision"), steps=_int(s.get("steps")),
             loss_target=losses("loss_target"), loss_reference=losses("loss_reference"),
             forward_only=s.get("forward_only") is True, device=text("device"), torch_version=text("torch_version"),
             elapsed_s=elapsed if elapsed is not None and math.isfinite(elapsed) else None,
             ops_traced=_int(s.get("ops_traced")), first_nonfinite=Site.of(s.get("first_nonfinite")),
-            first_nan=Site.of(s.get("first_nan")), skipped_steps=_int(s.get("skipped_steps")))
+            first_nan=Site.of(s.get("first_nan")), skipped_steps=_int(s.get("skipped_steps")),
+            chain=tuple(x for x in map(Link.of, chain if isinstance(chain, (list, tuple)) else ()) if x is not None),
+            scales=_floats(s.get("scales")), initial_scale=_num(s.get("initial_scale")),
+            skipped=tuple(sorted({x for x in skipped if _int(x) is not None})) if isinstance(skipped, (list, tuple))
+            else None)
 
 
 @dataclass(frozen=True)

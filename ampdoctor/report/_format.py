@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ampdoctor.findings import FixProposal, LayerStat, Report, RunSummary, Site
+from ampdoctor.findings import FixProposal, LayerStat, Link, Report, RunSummary, Site
 from ampdoctor.trace import dtype_info
 
 #: Horizontal reference lines of the range plot: (label, value).
@@ -211,13 +211,9 @@ def site(entry: Any) -> str:
     return "-" if s is None else str(s)
 
 
-def chain(report: Report) -> list[dict[str, str]]:
-    links = report.summary.get("chain") if isinstance(report.summary, Mapping) else None
-    out = []
-    for link in links or ():
-        if isinstance(link, Mapping):
-            out.append({k: str(link.get(k) or "") for k in ("op", "module", "phase", "what")})
-    return out
+def chain(report: Report) -> list[Link]:
+    """The lineage chain (origin -> first NaN -> loss) of the report's summary, typed."""
+    return list(report.run.chain)
 
 
 def loss_text(run: RunSummary) -> str:
@@ -236,7 +232,11 @@ def fix_status(fix: FixProposal) -> str:
     return "untried"
 
 
-def scale_timeline(summary: Mapping[str, Any]) -> tuple[list[float | None], list[int]]:
+def _run(summary: RunSummary | Mapping[str, Any]) -> RunSummary:
+    return summary if isinstance(summary, RunSummary) else RunSummary.of(summary)
+
+
+def scale_timeline(summary: RunSummary | Mapping[str, Any]) -> tuple[list[float | None], list[int]]:
     """Loss scale after each step and the steps GradScaler skipped.
 
     GradScaler halves the scale on every skipped step and never lowers it otherwise, so a step whose scale is
@@ -244,38 +244,33 @@ def scale_timeline(summary: Mapping[str, Any]) -> tuple[list[float | None], list
     previous scale: it was skipped when its scale is below ``summary["initial_scale"]`` or, without that, when
     ``skipped_steps`` counts one more skipped step than the drops show.
     """
-    scales_raw = summary.get("scales")
-    if not isinstance(scales_raw, (list, tuple)):
+    run = _run(summary)
+    if run.scales is None:
         return [], []
-    scales = [to_float(s) for s in scales_raw]
-    explicit = summary.get("skipped")
-    if isinstance(explicit, (list, tuple)):
-        return scales, sorted({int(s) for s in explicit if isinstance(s, int) and not isinstance(s, bool)})
-    skipped = [
-        i
-        for i in range(1, len(scales))
-        if scales[i] is not None and scales[i - 1] is not None and scales[i] < scales[i - 1]  # type: ignore[operator]
-    ]
-    initial, first = to_float(summary.get("initial_scale")), scales[0] if scales else None
-    count = summary.get("skipped_steps")
-    if initial is not None and first is not None:
-        step0 = first < initial
+    scales = list(run.scales)
+    if run.skipped is not None:
+        return scales, list(run.skipped)
+    skipped = [i for i in range(1, len(scales))
+               if (now := scales[i]) is not None and (before := scales[i - 1]) is not None and now < before]
+    first = scales[0] if scales else None
+    if run.initial_scale is not None and first is not None:
+        step0 = first < run.initial_scale
     else:
-        step0 = isinstance(count, int) and not isinstance(count, bool) and count == len(skipped) + 1
+        step0 = run.skipped_steps == len(skipped) + 1
     if step0 and scales:
         skipped.insert(0, 0)
     return scales, skipped
 
 
-def scale_text(summary: Mapping[str, Any]) -> str:
+def scale_text(summary: RunSummary | Mapping[str, Any]) -> str:
     """``32768 -> 64 after 10 steps, 10 skipped`` (``""`` without ``scales``)."""
-    scales, skipped = scale_timeline(summary)
+    run = _run(summary)
+    scales, skipped = scale_timeline(run)
     if not scales:
         return ""
-    count = summary.get("skipped_steps")
-    known_count = isinstance(count, int) and not isinstance(count, bool)
-    if known_count or "initial_scale" in summary or isinstance(summary.get("skipped"), (list, tuple)):
-        skipped_text = f", {count if known_count else len(skipped)} skipped"
+    count = run.skipped_steps
+    if count is not None or run.initial_scale is not None or run.skipped is not None:
+        skipped_text = f", {count if count is not None else len(skipped)} skipped"
     else:  # whether step 0 was skipped is unknown
         skipped_text = f", at least {len(skipped)} skipped" if skipped else ""
     known = [x for x in scales if x is not None]

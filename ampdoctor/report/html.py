@@ -15,11 +15,10 @@ from __future__ import annotations
 import html as _html
 import math
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ampdoctor.findings import Report
+from ampdoctor.findings import Report, RunSummary
 from ampdoctor.report import _format as F
 from ampdoctor.report._svg import figure_svg
 from ampdoctor.report.jsonio import _write_atomic
@@ -72,10 +71,10 @@ def figures(report: Report) -> list[dict[str, Any]]:
         out.append(_range_figure(report, rows))
         if any(r.flush_fraction is not None or _positive(r.rel_error) is not None for r in rows):
             out.append(_error_figure(rows))
-    summary = report.summary if isinstance(report.summary, Mapping) else {}
-    scales, skipped = F.scale_timeline(summary)
+    run = report.run
+    scales, skipped = F.scale_timeline(run)
     if scales:
-        out.append(_scale_figure(summary, scales, skipped))
+        out.append(_scale_figure(run, scales, skipped))
     return out
 
 
@@ -90,7 +89,6 @@ def _import(name: str) -> Any:
 
 
 def _context(report: Report) -> dict[str, Any]:
-    summary = report.summary if isinstance(report.summary, Mapping) else {}
     rows = F.layer_rows(report)
     facts = []
     run = report.run
@@ -105,8 +103,8 @@ def _context(report: Report) -> dict[str, Any]:
         facts.append(("loss (last step)", F.loss_text(run)))
     facts += [(label, str(site)) for site, label in ((run.first_nonfinite, "first non-finite"),
                                                      (run.first_nan, "first NaN")) if site is not None]
-    if F.scale_text(summary):
-        facts.append(("loss scale", F.scale_text(summary)))
+    if F.scale_text(run):
+        facts.append(("loss scale", F.scale_text(run)))
     counts = {sev: sum(f.severity == sev for f in report.findings) for sev in ("error", "warning", "info")}
     figs = figures(report)
     return {
@@ -173,8 +171,7 @@ def _layer_line(name: str, sub: list[F.LayerRow], ys: list[Any], color: str, das
 
 def _show_bf16(report: Report, rows: list[F.LayerRow], values: list[float]) -> bool:
     """Whether the bf16 range lines are shown (else only in the legend): a bf16 run or values beyond fp16."""
-    summary = report.summary if isinstance(report.summary, Mapping) else {}
-    precision = str(report.precision or summary.get("precision") or "")
+    precision = report.run.precision or ""
     return precision.startswith("bf16") or any(v > 1e30 for v in values) or any(r.dtype == "bfloat16" for r in rows)
 
 
@@ -292,7 +289,7 @@ def _error_figure(rows: list[F.LayerRow]) -> dict[str, Any]:
     return {"id": "plot-error", "data": data, "layout": layout}
 
 
-def _scale_figure(summary: Mapping[str, Any], scales: list[float | None], skipped: list[int]) -> dict[str, Any]:
+def _scale_figure(run: RunSummary, scales: list[float | None], skipped: list[int]) -> dict[str, Any]:
     steps = list(range(len(scales)))
     data: list[dict[str, Any]] = [
         {
@@ -315,9 +312,9 @@ def _scale_figure(summary: Mapping[str, Any], scales: list[float | None], skippe
                 "marker": {"symbol": "x", "size": 11, "color": _TARGET_COLOR},
             }
         )
-    for key, name, color in (("loss_target", "loss (target)", "#ff7f0e"), ("loss_reference", "loss (fp32)", "#7f7f7f")):
-        losses = summary.get(key)
-        if isinstance(losses, (list, tuple)) and len(losses) > 1:
+    for losses, name, color in ((run.loss_target, "loss (target)", "#ff7f0e"),
+                                (run.loss_reference, "loss (fp32)", "#7f7f7f")):
+        if losses is not None and len(losses) > 1:
             data.append(
                 {
                     "type": "scatter",

@@ -11,10 +11,9 @@ names, ops, explanations) are rendered as plain :class:`rich.text.Text`, never p
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ampdoctor.findings import Finding, Report
+from ampdoctor.findings import Finding, Link, Report
 from ampdoctor.report import _format as F
 
 if TYPE_CHECKING:
@@ -104,7 +103,6 @@ def renderables(report: Report) -> list[RenderableType]:
 
 
 def _summary_panel(rich: Any, report: Report) -> Any:
-    s: Mapping[str, Any] = report.summary if isinstance(report.summary, Mapping) else {}
     counts = {sev: sum(f.severity == sev for f in report.findings) for sev in ("error", "warning", "info")}
     tally = ", ".join(f"{n} {sev}{'s' if n != 1 else ''}" for sev, n in counts.items() if n) or "no findings"
     grid = rich.table.Table.grid(padding=(0, 2))
@@ -148,8 +146,8 @@ def _summary_panel(rich: Any, report: Report) -> Any:
         row("First non-finite", (str(facts.first_nonfinite), ""))
     if facts.first_nan is not None:
         row("First NaN", (str(facts.first_nan), ""))
-    if F.scale_text(s):
-        row("Loss scale", (F.scale_text(s), ""))
+    if F.scale_text(facts):
+        row("Loss scale", (F.scale_text(facts), ""))
     elif facts.skipped_steps is not None:
         row("Skipped steps", (str(facts.skipped_steps), ""))
 
@@ -174,22 +172,22 @@ def _evidence_table(rich: Any, root: Finding) -> Any:
     return rich.console.Group(_heading(rich, f"Evidence for the root cause ({root.code})"), table)
 
 
-def _chain_table(rich: Any, links: list[dict[str, str]]) -> Any:
+def _chain_table(rich: Any, links: list[Link]) -> Any:
     grid = rich.table.Table.grid(padding=(0, 1))
     grid.add_column(justify="right", no_wrap=True, style="bold")
     grid.add_column(overflow="fold")
     for i, link in enumerate(links):
         marker = "origin" if i == 0 else ("->" if i < len(links) - 1 else "-> end")
         text = rich.text.Text()
-        text.append(link["op"] or "-", style="cyan")
-        if link["module"]:
+        text.append(link.op or "-", style="cyan")
+        if link.module:
             text.append(" in ")
-            text.append(link["module"], style="bold")
-        if link["phase"]:
-            text.append(f" ({link['phase']})")
-        if link["what"]:
+            text.append(link.module, style="bold")
+        if link.phase:
+            text.append(f" ({link.phase})")
+        if link.what:
             text.append("\n")
-            text.append(link["what"], style="dim")
+            text.append(link.what, style="dim")
         grid.add_row(marker, text)
     return rich.console.Group(_heading(rich, "Lineage: origin -> first NaN -> loss"), grid)
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import ampdoctor
-from ampdoctor.findings import Report, RunSummary, Site
+from ampdoctor.findings import Link, Report, RunSummary, Site
 from ampdoctor.report import terminal_text
 
 
@@ -36,6 +36,10 @@ def test_run_facts_of_a_real_diagnosis() -> None:
     loaded = Report.from_dict(json.loads(json.dumps(report.to_dict())))
     assert set(loaded.to_dict()["summary"]) == set(report.to_dict()["summary"])
     assert loaded.run == run
+    # the lineage chain, typed: the origin first, each link as in summary["chain"]
+    assert run.chain and run.chain[0] == Link.of(report.summary["chain"][0])
+    assert run.chain[0].op == "aten.addmm.default" and run.chain[0].module == "0"
+    assert len(run.chain) == len(report.summary["chain"])
     assert loaded.run.loss_target is not None and math.isinf(loaded.run.loss_target[-1])  # "inf" in JSON
 
 
@@ -46,6 +50,18 @@ def test_partial_and_malformed_summaries_read_as_absent() -> None:
                              loss_reference=(2.5,), device=None)
     assert RunSummary.of(None) == RunSummary() and RunSummary.of({}, precision="bf16").precision == "bf16"
     assert RunSummary.of({"precision": "fp16"}, precision="bf16").precision == "bf16"  # the report's own wins
+
+
+def test_scale_facts_and_chain_links_read_typed() -> None:
+    run = RunSummary.of({"scales": [65536.0, "inf", None, "x"], "skipped": [2, True, 0, 2], "initial_scale": "inf",
+                         "chain": [1, {"op": None, "what": "inf * 0"}, {"op": "aten.mm.default", "phase": "forward"}]})
+    assert run.scales is not None and run.scales[0] == 65536.0 and math.isinf(run.scales[1] or 0.0)
+    assert run.scales[2:] == (None, None)
+    assert run.skipped == (0, 2)  # a bool is no step index; sorted, once each
+    assert run.initial_scale == math.inf
+    assert run.chain == (Link(what="inf * 0"), Link("aten.mm.default", phase="forward"))  # the 1 is no link
+    assert RunSummary.of({"scales": "65536", "skipped": 3}).scales is None
+    assert RunSummary.of({"scales": "65536", "skipped": 3}).skipped is None
 
 
 def test_site_text() -> None:
