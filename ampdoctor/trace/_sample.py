@@ -7,8 +7,8 @@ generator seeded with the tensor's size (the global RNG is not touched) -- and, 
 sort, ``max.dim``), its integer output (up to :data:`MAX_DECISION` elements) and the number of rows whose
 chosen value ties with the next candidate. Everything stays on the device until the step is read back.
 
-Cost: one gather of 64 elements per output (no copy of a non-contiguous tensor: the positions are turned into
-storage offsets once per shape and stride), and for a decision op one ``topk`` of its input.
+Cost: one gather of 64 elements per output (``torch.take`` of logical positions: no copy of a non-contiguous
+tensor), and for a decision op one ``topk`` of its input.
 """
 
 from __future__ import annotations
@@ -31,34 +31,29 @@ MAX_DECISION = 1 << 16
 
 
 class Sampler:
-    """Gathers up to :data:`SAMPLE` values of a tensor at fixed positions (the same positions for the same shape)."""
+    """Gathers up to :data:`SAMPLE` values of a tensor at fixed positions (the same positions for the same size).
+
+    Positions are logical (row-major) element indices, so one ``torch.take`` reads them from any layout: no copy of
+    a non-contiguous tensor, one op per output, and the plan depends on the size alone."""
 
     def __init__(self) -> None:
-        self._offsets: dict[tuple[Any, ...], tuple[torch.Tensor, int]] = {}
+        self._positions: dict[tuple[int, Any], torch.Tensor] = {}
 
-    def _plan(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
-        key = (tuple(t.shape), t.stride(), t.device)
-        plan = self._offsets.get(key)
-        if plan is None:  # host arithmetic on Python ints: no tensor is read
-            n = t.numel()
-            pos = range(n) if n <= SAMPLE else sorted(random.Random(n).sample(range(n), SAMPLE))
-            offs = []
-            for p in pos:
-                off = 0
-                for size, stride in zip(reversed(t.shape), reversed(t.stride())):
-                    off += (p % size) * stride
-                    p //= size
-                offs.append(off)
-            plan = (torch.tensor(offs, dtype=torch.int64, device=t.device), max(offs, default=0) + 1)
-            self._offsets[key] = plan
-        return plan
+    def _plan(self, t: torch.Tensor) -> torch.Tensor:
+        n = t.numel()
+        key = (n, t.device)
+        pos = self._positions.get(key)
+        if pos is None:  # host arithmetic on Python ints: no tensor is read
+            idx = range(n) if n <= SAMPLE else sorted(random.Random(n).sample(range(n), SAMPLE))
+            pos = torch.tensor(list(idx), dtype=torch.int64, device=t.device)
+            self._positions[key] = pos
+        return pos
 
     def take(self, t: torch.Tensor) -> torch.Tensor | None:
         """Up to ``SAMPLE`` values of ``t`` in its own dtype (one gather; converted when read, by dtype group)."""
         if t.numel() == 0:
             return None
-        off, span = self._plan(t)
-        return t.as_strided((span,), (1,), t.storage_offset())[off]
+        return torch.take(t, self._plan(t))
 
 
 @dataclass

@@ -191,29 +191,30 @@ class PendingWrite:
     def _wide_rows(self, applied: list[Any]) -> list[Any] | None:
         """Rows of a deferred wide write from its unchanged elements only (see :meth:`rows`); None: re-run it all."""
         func, args, _ = self._call  # type: ignore[misc]
-        if all(float(diff.amin()) > 0 for diff, _, _ in applied):
-            return [_counts_row(t, diff, total, None) for t, (diff, total, _) in zip(self.tensors, applied)]
+        unchanged = [(diff == 0).reshape(-1).nonzero().squeeze(1) for diff, _, _ in applied]
+        if all(u.numel() == 0 for u in unchanged):
+            return [_counts_row(t, 0, total, 0) for t, (_, total, _) in zip(self.tensors, applied)]
         t, old = self.tensors[0], self.old[0]
         if (len(self.tensors) != 1 or old is None or torch.Tag.pointwise not in func.tags or not args
                 or args[0] is not t):
             return None
-        lost = _lost_where_unchanged(self._call, t, old, applied[0][0])  # type: ignore[arg-type]
-        return None if lost is None else [_counts_row(t, applied[0][0], applied[0][1], lost)]
+        lost = _lost_where_unchanged(self._call, t, old, unchanged[0])  # type: ignore[arg-type]
+        return None if lost is None else [_counts_row(t, unchanged[0].numel(), applied[0][1], lost)]
 
 
 def _lost_where_unchanged(call: tuple[Any, Any, Any], t: torch.Tensor, old: torch.Tensor,
-                          diff: torch.Tensor) -> int | None:
-    """Elements a point-wise in-place op on ``t`` left unchanged whose exact update is nonzero: the op re-run one
-    format wider on just those elements (every argument broadcast to ``t`` and gathered there). None if it fails."""
+                          unchanged: torch.Tensor) -> int | None:
+    """Elements a point-wise in-place op on ``t`` left unchanged (``unchanged``: their logical positions) whose exact
+    update is nonzero: the op re-run one format wider on just those elements (every argument broadcast to ``t`` and
+    gathered there). None if it fails."""
     func, args, kwargs = call
-    mask = diff == 0
-    old_sub = old[mask]
+    old_sub = torch.take(old, unchanged)
 
     def sub(obj: Any) -> Any:
         if obj is t:
             return old_sub.clone()
         if isinstance(obj, torch.Tensor):
-            x = obj.detach().expand(t.shape)[mask]
+            x = torch.take(obj.detach().expand(t.shape), unchanged)
             return x.to(_wider(x.dtype)) if x.is_floating_point() else x
         if isinstance(obj, (list, tuple)):
             return type(obj)(sub(o) for o in obj)
@@ -273,12 +274,11 @@ def _applied(t: torch.Tensor, old: torch.Tensor | None) -> tuple[torch.Tensor, t
         return None
 
 
-def _counts_row(t: torch.Tensor, diff: torch.Tensor, total: torch.Tensor, lost: int | None) -> list[float]:
-    """The row of a wide write whose changed elements all moved and ``lost`` unchanged ones should have (None: it
-    changed every element): exact update unknown (NaN)."""
+def _counts_row(t: torch.Tensor, unchanged: int, total: torch.Tensor, lost: int) -> list[float]:
+    """The row of a wide write with ``unchanged`` elements, ``lost`` of which should have moved (its changed elements
+    all moved): exact update unknown (NaN)."""
     n = t.numel()
-    changed = n if lost is None else int(torch.count_nonzero(diff))
-    lost = lost or 0
+    changed = n - unchanged
     return [float(n), float(changed + lost), float(lost), float(changed), math.nan, float(total)]
 
 
