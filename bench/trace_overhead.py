@@ -3,7 +3,8 @@
     python bench/trace_overhead.py                      # small and big config, default rounds / time budget
     python bench/trace_overhead.py --configs small --rounds 30
     python bench/trace_overhead.py --quick              # smoke run: small config, a few rounds
-    python bench/trace_overhead.py --profile            # + cProfile of one cheap-tier step (small config)
+    python bench/trace_overhead.py --profile            # + cProfile of one cheap- and one full-tier step (small)
+    python bench/trace_overhead.py --configs big --merge  # add/replace the big config in the committed results
 
 Variants, run interleaved in one process on ONE model/optimizer: each round runs plain, v1, plain, v2, ...,
 plain (the order of the variants rotated from round to round), warm-up rounds discarded:
@@ -48,6 +49,24 @@ import ampdoctor  # noqa: E402
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = {"small": 3.0, "big": 1.5}  # cheap tier, max ratio
+FULL_TARGETS = {"small": 3.0, "big": 1.2}  # full tier (what diagnose runs), max ratio: issue 18 item 1
+#: the trace's own functions whose cumulative time the full-tier profile breaks down (``file:function``)
+COMPONENTS = {
+    "_mode.py:_full_op": "everything the full tier does per op (incl. the op itself)",
+    "_mode.py:_record_output": "per output: record, statistics row, sample",
+    "_mode.py:_full_row": "full statistics (forward/backward outputs, leaves)",
+    "_mode.py:_lite_row": "lite statistics (optimizer outputs, parameter leaves)",
+    "_mode.py:_leaf": "first sight of a tensor (parameters, optimizer state, batch)",
+    "_mode.py:_input_index": "input lineage (incl. leaves)",
+    "_sample.py:sample": "element-wise samples (step 0)",
+    "_writes.py:before": "write log: old values before a write",
+    "_writes.py:after": "write log: applied update, exact re-run where needed",
+    "_mode.py:read": "the one read-back",
+    "_mode.py:_key": "tensor identity (storage, offset, shape, stride, dtype)",
+    "_mode.py:_scalars": "the op's Python number arguments",
+    "_sample.py:index_sources": "integer inputs' numeric sources (crash explanation)",
+    "_modules.py:user_frame": "the user's source line (forward)",
+}
 
 
 # -- the step --------------------------------------------------------------------------------------------------
@@ -237,9 +256,23 @@ def _short_path(file: str) -> str:
     return file
 
 
-def profile_cheap(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Any],
+def _components(st: pstats.Stats, total: float) -> list[dict[str, Any]]:
+    """Cumulative time of the :data:`COMPONENTS` (summed over same-named functions of one file)."""
+    agg: dict[str, list[float]] = {}
+    for (file, _line, fn), (_cc, nc, _tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
+        key = f"{os.path.basename(file)}:{fn}"
+        if key in COMPONENTS and "ampdoctor" in file:
+            a = agg.setdefault(key, [0, 0.0])
+            a[0] += nc
+            a[1] += ct
+    return [{"component": k, "what": COMPONENTS[k], "calls": int(v[0]), "cumtime_s": round(v[1], 4),
+             "share": round(v[1] / total, 4)} for k, v in sorted(agg.items(), key=lambda kv: -kv[1][1])]
+
+
+def profile_tiers(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Any],
                   top: int = 25) -> dict[str, Any]:
-    """cProfile of one plain and one cheap-tier step: where the extra time goes (per function, tottime)."""
+    """cProfile of one plain, one cheap-tier and one full-tier step: where the extra time goes (per function,
+    tottime; for the full tier also the trace's components, cumulative)."""
     buf = io.StringIO()
 
     def prof(fn: Callable[[], None]) -> pstats.Stats:
@@ -250,25 +283,34 @@ def profile_cheap(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dic
         p.disable()
         return pstats.Stats(p, stream=buf)
 
-    def cheap() -> None:
-        with ampdoctor.trace(model, opt, full=False) as t:
-            train_step(model, opt, batch)
-        t.result()
+    def tier(full: bool) -> Callable[[], None]:
+        def run() -> None:
+            with ampdoctor.trace(model, opt, full=full) as t:
+                train_step(model, opt, batch)
+            t.result()
+        return run
 
     for _ in range(2):
         train_step(model, opt, batch)
-        cheap()
+        tier(False)()
+        tier(True)()
     plain_st = prof(lambda: train_step(model, opt, batch))
-    st = prof(cheap)
-    rows = []
-    for (file, line, fn), (_cc, nc, tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
-        rows.append({"function": f"({fn})" if file == "~" else f"{_short_path(file)}:{line}({fn})",
-                     "calls": nc, "tottime_s": round(tt, 4), "cumtime_s": round(ct, 4),
-                     "us_per_call": round(1e6 * tt / max(nc, 1), 2)})
-    rows.sort(key=lambda r: -r["tottime_s"])
-    st.sort_stats("tottime").print_stats(top)
-    return {"plain_total_s": round(plain_st.total_tt, 4), "cheap_total_s": round(st.total_tt, 4),  # type: ignore
-            "top_tottime": rows[:top], "text": buf.getvalue()}
+    out: dict[str, Any] = {"plain_total_s": round(plain_st.total_tt, 4)}  # type: ignore[attr-defined]
+    for name, full in (("cheap", False), ("full", True)):
+        st = prof(tier(full))
+        rows = []
+        for (file, line, fn), (_cc, nc, tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
+            rows.append({"function": f"({fn})" if file == "~" else f"{_short_path(file)}:{line}({fn})",
+                         "calls": nc, "tottime_s": round(tt, 4), "cumtime_s": round(ct, 4),
+                         "us_per_call": round(1e6 * tt / max(nc, 1), 2)})
+        rows.sort(key=lambda r: -r["tottime_s"])
+        total = st.total_tt  # type: ignore[attr-defined]
+        out[name] = {"total_s": round(total, 4), "top_tottime": rows[:top]}
+        if full:
+            out[name]["components"] = _components(st, total)
+        st.sort_stats("tottime").print_stats(top)
+    out["text"] = buf.getvalue()
+    return out
 
 
 # -- reporting -------------------------------------------------------------------------------------------------
@@ -338,22 +380,44 @@ def to_markdown(doc: dict[str, Any]) -> str:
         if tgt:
             verdict = "meets" if tgt["met"] else "MISSES"
             lines += ["", f"Cheap tier target ≤ {tgt['max_ratio']}×: {verdict} ({tgt['ratio']:.2f}×)."]
+        ft = res.get("full_target")
+        if ft:
+            verdict = "meets" if ft["met"] else "MISSES"
+            lines += ["", f"Full tier target ≤ {ft['max_ratio']}× (issue 18): {verdict} ({ft['ratio']:.2f}×)."]
+        if res.get("machine"):
+            mm = res["machine"]
+            lines += ["", f"This config measured {mm.get('date')}, load average at start {mm.get('loadavg_start')}, "
+                      f"at end {mm.get('loadavg_end')}."]
         lines.append("")
-    prof = doc.get("profile")
-    if prof:
-        lines += [
-            "## Profile of one cheap-tier step (small config, cProfile)",
-            "",
-            f"cProfile total: plain {prof['plain_total_s']} s, cheap tier {prof['cheap_total_s']} s "
-            "(cProfile inflates Python-heavy code; use it for shares, not absolute cost).",
-            "",
-            "| function | calls | tottime s | µs/call |",
-            "|---|---|---|---|",
-        ]
-        for r in prof["top_tottime"][:20]:
-            lines.append(f"| `{r['function']}` | {r['calls']} | {r['tottime_s']} | {r['us_per_call']} |")
-        lines.append("")
+    lines += _profile_markdown(doc.get("profile"))
+    if doc.get("notes"):
+        lines += ["## Notes", "", *doc["notes"], ""]
     return "\n".join(lines)
+
+
+def _profile_markdown(prof: dict[str, Any] | None) -> list[str]:
+    if not prof or "full" not in prof:
+        return []
+    full, cheap = prof["full"], prof["cheap"]
+    lines = [
+        "## Profile of one step per tier (small config, cProfile)",
+        "",
+        f"cProfile totals: plain {prof['plain_total_s']} s, cheap tier {cheap['total_s']} s, full tier "
+        f"{full['total_s']} s (cProfile inflates Python-heavy code; read shares, not absolute cost).",
+        "",
+        "Full tier by component (cumulative; components nest, so shares do not add up):",
+        "",
+        "| component | what | calls | cum s | share of the traced step |",
+        "|---|---|---|---|---|",
+    ]
+    for c in full.get("components", []):
+        lines.append(f"| `{c['component']}` | {c['what']} | {c['calls']} | {c['cumtime_s']} | {c['share']:.1%} |")
+    lines += ["", "Full tier, top functions by own time:", "", "| function | calls | tottime s | µs/call |",
+              "|---|---|---|---|"]
+    for r in full["top_tottime"][:20]:
+        lines.append(f"| `{r['function']}` | {r['calls']} | {r['tottime_s']} | {r['us_per_call']} |")
+    lines.append("")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -367,7 +431,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch intra-op threads (default 1: on a shared 2-core box more threads thrash)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--quick", action="store_true", help="smoke run: small config, 4 rounds, 1 warm-up")
-    ap.add_argument("--profile", action="store_true", help="also cProfile one cheap-tier step (small config)")
+    ap.add_argument("--profile", action="store_true", help="also cProfile one step per tier (small config)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the committed results of configs not run now (and their profile) and replace the rest")
     ap.add_argument("--variants", default="", help="comma-separated subset of: " + ", ".join(
         v.name for v in default_variants()[1:]) + " (default: all)")
     ap.add_argument("--no-write", action="store_true", help="do not write bench/results")
@@ -393,14 +459,23 @@ def main(argv: list[str] | None = None) -> int:
         warmup = args.warmup if args.warmup is not None else warmup
         budget = args.budget if args.budget is not None else budget
         variants = [v for v in default_variants() if v.name == "plain" or not wanted or v.name in wanted]
+        load0 = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
         print(f"[{c}] building model")
         model, opt, batch = _models.build(c, args.device)
         res = measure(model, opt, batch, variants, rounds=rounds, warmup=warmup, budget_s=budget)
         res["config"] = dict(_models.CONFIGS[c].__dict__)
         res["ops"] = count_ops(model, opt, batch)
+        res["machine"] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                          "loadavg_start": load0}
+        with contextlib.suppress(OSError):
+            res["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
         cheap = res["variants"].get("trace-cheap", {})
         if c in TARGETS and "ratio" in cheap:
             res["target"] = {"max_ratio": TARGETS[c], "ratio": cheap["ratio"], "met": cheap["ratio"] <= TARGETS[c]}
+        full = res["variants"].get("trace-full", {})
+        if c in FULL_TARGETS and "ratio" in full:
+            res["full_target"] = {"max_ratio": FULL_TARGETS[c], "ratio": full["ratio"],
+                                  "met": full["ratio"] <= FULL_TARGETS[c]}
         doc["configs"][c] = res
         print(f"[{c}] ratios to plain (median, IQR of per-round ratios), plain median "
               f"{res['variants']['plain'].get('median_s', float('nan')):.3f}s:")
@@ -410,14 +485,25 @@ def main(argv: list[str] | None = None) -> int:
         del model, opt, batch
         gc.collect()
     if args.profile:
-        print("[profile] cheap tier, small config")
+        print("[profile] cheap and full tier, small config")
         model, opt, batch = _models.build("small", args.device)
-        doc["profile"] = profile_cheap(model, opt, batch)
+        doc["profile"] = profile_tiers(model, opt, batch)
         print(doc["profile"]["text"])
     with contextlib.suppress(OSError):
         doc["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     if not args.no_write:
         os.makedirs(RESULTS, exist_ok=True)
+        path = os.path.join(RESULTS, "trace_overhead.json")
+        if args.merge and os.path.exists(path):
+            with open(path) as f:
+                old = json.load(f)
+            doc["configs"] = {**{k: v for k, v in old.get("configs", {}).items() if k not in doc["configs"]},
+                              **doc["configs"]}
+            for key in ("profile", "notes"):
+                if key not in doc and key in old:
+                    doc[key] = old[key]
+            runs = old.get("runs", [old.get("machine", {})])
+            doc["runs"] = [r for r in runs if r] + [doc["machine"]]
         with open(os.path.join(RESULTS, "trace_overhead.json"), "w") as f:
             json.dump(doc, f, indent=1)
         with open(os.path.join(RESULTS, "trace_overhead.md"), "w") as f:

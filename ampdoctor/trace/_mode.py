@@ -86,6 +86,11 @@ def _arg_names(func: Any) -> tuple[str, ...]:
     return tuple(a.name for a in func._schema.arguments)
 
 
+@functools.cache
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def _key(t: torch.Tensor) -> tuple[Any, ...] | None:
     try:
         ptr = t.untyped_storage().data_ptr()
@@ -387,15 +392,15 @@ class RecordingMode(TorchDispatchMode):
             self.writes.after(pending, info[0], phase, module, self.step, len(self.records), user_frame())
         outs: list[torch.Tensor] = []
         _flat(out, outs)
-        if not outs and self._op_info(func)[3]:
+        if not outs and info[3]:
             self._written(func, args, kwargs, outs)
         if outs:
-            base = self._op_info(func)[1]
+            base = info[1]
             literals = literal_values(base, args, kwargs, _arg_names(func)) if op_info(base).literals else ()
-            ctx = _OpContext(self._op_info(func), node, phase, module, in_idx,
+            ctx = _OpContext(info, node, phase, module, in_idx,
                              user_frame() if phase == "forward" or self._loop_code(phase) else None,
                              _scalars(args, kwargs), literals,
-                             tuple(str(t.dtype).replace("torch.", "") for t in ins if t.is_floating_point()),
+                             tuple(_dtype_name(t.dtype) for t in ins if t.is_floating_point()),
                              self.sketch.index_sources(ins))
             for pos, t in enumerate(outs):
                 if t.is_floating_point() and not t.is_meta:

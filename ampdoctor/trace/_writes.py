@@ -15,9 +15,11 @@ can only be lost where the stored write left an element unchanged, so a float32 
 update is re-run on its unchanged elements only: none (a healthy fp32 optimizer step: no re-run at all), or those
 gathered for a point-wise op on one tensor (``addcdiv_``, ``mul_``, ``lerp_`` ...). Such a write's ``lost`` and
 ``changed`` are exact, its ``moving`` counts every changed element as moving (a stored change implies a nonzero
-exact one) and its ``intended`` is unknown (NaN): only 16-bit state's and loss-scaled loop writes' exact update
-sizes are read (``findings._updates``). 16-bit and 8-bit writes, other ops and the training-step code's own writes
-(module ``""``) are re-run whole; on an accelerator every write is, before it runs (deciding would read back).
+exact one), its ``applied`` sums the differences taken in the stored dtype (exact for any update smaller than the
+value it updates; else within float32 rounding) and its ``intended`` is unknown (NaN): only 16-bit state's and
+loss-scaled loop writes' exact update sizes are read (``findings._updates``). 16-bit and 8-bit writes, other ops
+and the training-step code's own writes (module ``""``) are re-run whole; on an accelerator every write is, before
+it runs (deciding would read back).
 
 Side effects: none. The re-run writes only into copies, under no mode and no grad; ops that draw random
 numbers are not re-run (their statistics stay unknown) so no RNG is consumed. No host sync: the rows are read
@@ -127,7 +129,10 @@ class PendingWrite:
     The re-run is deferred until after the op where it can be (``tensors`` are all it writes, on a host device, and
     no other argument shares their storage): :meth:`rows` then re-runs a float32 (or wider) write only where it
     left elements unchanged, and any other on the old values. Elsewhere (an accelerator: deciding would read a
-    value back) it runs before the op. ``measure`` False: logged, not measured (statistics NaN, nothing copied)."""
+    value back) it runs before the op. ``measure`` False: logged, not measured (statistics NaN, nothing copied).
+
+    A deferred float32 write keeps its old values as a float32 copy (a memory copy; widening costs ~6x more on CPU)
+    and widens them only if it must be re-run whole."""
 
     def __init__(self, func: Any, args: Any, kwargs: Any, tensors: list[torch.Tensor], defer: bool,
                  measure: bool = True) -> None:
@@ -136,13 +141,16 @@ class PendingWrite:
         self.exact: list[torch.Tensor | None] = [None] * len(tensors)
         seeded = torch.Tag.nondeterministic_seeded in func.tags
         self._call: tuple[Any, Any, Any] | None = (func, args, kwargs) if defer and measure and not seeded else None
+        self._narrow = False
         if not measure:
             self.old = [None] * len(tensors)
             return
+        #: old values kept in the stored dtype (a deferred wide write), widened only for a whole re-run
+        self._narrow = self._call is not None and all(_wider(t.dtype) == torch.float64 for t in tensors)
         with torch._C.DisableTorchFunction(), torch.no_grad(), _disable_current_modes():
             for t in tensors:
                 try:
-                    self.old.append(t.detach().to(_wider(t.dtype), copy=True))
+                    self.old.append(t.detach().clone() if self._narrow else t.detach().to(_wider(t.dtype), copy=True))
                 except Exception:  # noqa: BLE001 - observation must not raise into user code
                     self.old.append(None)
             if not defer and not seeded:
@@ -177,29 +185,40 @@ class PendingWrite:
         elements). ``intended`` is then unknown (NaN) and ``moving`` counts the changed elements as moving. Any other
         deferred write re-runs whole now, on copies of the old values."""
         with torch._C.DisableTorchFunction(), torch.no_grad(), _disable_current_modes():
+            if self._narrow and not exact_needed and all(o is not None for o in self.old):
+                rows = self._wide_rows()
+                if rows is not None:
+                    return rows
+            if self._narrow:
+                self.old = [o.to(_wider(o.dtype)) if o is not None else None for o in self.old]
             applied = [_applied(t, old) for t, old in zip(self.tensors, self.old)]
             if self._call is not None:
                 func, args, kwargs = self._call
-                if not exact_needed and all(a is not None and a[2] for a in applied):
-                    rows = self._wide_rows(applied)
-                    if rows is not None:
-                        return rows
                 self._rerun(func, args, kwargs, {id(t): old.clone() for t, old in zip(self.tensors, self.old)
                                                  if old is not None})
             return [_row(t, old, exact, a) for t, old, exact, a in zip(self.tensors, self.old, self.exact, applied)]
 
-    def _wide_rows(self, applied: list[Any]) -> list[Any] | None:
-        """Rows of a deferred wide write from its unchanged elements only (see :meth:`rows`); None: re-run it all."""
+    def _wide_rows(self) -> list[Any] | None:
+        """Rows of a deferred wide write from its unchanged elements only (see :meth:`rows`); None: re-run it all.
+
+        ``new - old`` is taken in the stored dtype: zero exactly where the value did not change (IEEE subtraction of
+        unequal finite numbers is never 0), and exact wherever the new value is within a factor 2 of the old one
+        (Sterbenz), so ``applied`` -- summed in float64 -- equals the widened computation's for any update smaller
+        than the value it updates."""
         func, args, _ = self._call  # type: ignore[misc]
-        unchanged = [(diff == 0).reshape(-1).nonzero().squeeze(1) for diff, _, _ in applied]
+        diffs = [torch.sub(t.detach(), old) for t, old in zip(self.tensors, self.old)]  # type: ignore[arg-type]
+        totals = [d.abs_().sum(dtype=torch.float64) for d in diffs]
+        if not all(math.isfinite(float(x)) for x in totals):
+            return None
+        unchanged = [(d == 0).reshape(-1).nonzero().squeeze(1) for d in diffs]
         if all(u.numel() == 0 for u in unchanged):
-            return [_counts_row(t, 0, total, 0) for t, (_, total, _) in zip(self.tensors, applied)]
+            return [_counts_row(t, 0, total, 0) for t, total in zip(self.tensors, totals)]
         t, old = self.tensors[0], self.old[0]
         if (len(self.tensors) != 1 or old is None or torch.Tag.pointwise not in func.tags or not args
                 or args[0] is not t):
             return None
         lost = _lost_where_unchanged(self._call, t, old, unchanged[0])  # type: ignore[arg-type]
-        return None if lost is None else [_counts_row(t, unchanged[0].numel(), applied[0][1], lost)]
+        return None if lost is None else [_counts_row(t, unchanged[0].numel(), totals[0], lost)]
 
 
 def _lost_where_unchanged(call: tuple[Any, Any, Any], t: torch.Tensor, old: torch.Tensor,
@@ -208,7 +227,7 @@ def _lost_where_unchanged(call: tuple[Any, Any, Any], t: torch.Tensor, old: torc
     update is nonzero: the op re-run one format wider on just those elements (every argument broadcast to ``t`` and
     gathered there). None if it fails."""
     func, args, kwargs = call
-    old_sub = torch.take(old, unchanged)
+    old_sub = torch.take(old, unchanged).to(_wider(t.dtype))
 
     def sub(obj: Any) -> Any:
         if obj is t:
@@ -257,19 +276,14 @@ def deferrable(func: Any, args: Any, kwargs: Any, written: list[torch.Tensor], p
     return True
 
 
-def _applied(t: torch.Tensor, old: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
-    """``|new - old|`` one format wider (a fresh tensor), its sum, and -- on a host device, for a float32 or wider
-    write -- whether that sum is finite (read back there: no device sync)."""
+def _applied(t: torch.Tensor, old: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``|new - old|`` one format wider than the stored dtype (a fresh tensor) and its sum."""
     if old is None:
         return None
     try:  # widening is exact: the type promotion of ``sub`` computes what converting first computes
         diff = torch.sub(t.detach(), old) if t.dtype == old.dtype or old.dtype == torch.float64 else (
             t.detach().to(old.dtype) - old)
-        total = diff.abs_().sum()
-        every = False
-        if t.device.type in _stats.HOST_DEVICES and _wider(t.dtype) == torch.float64 and diff.numel():
-            every = math.isfinite(float(total))
-        return diff, total, every
+        return diff, diff.abs_().sum()
     except Exception:  # noqa: BLE001 - observation must not raise into user code
         return None
 
@@ -283,12 +297,12 @@ def _counts_row(t: torch.Tensor, unchanged: int, total: torch.Tensor, lost: int)
 
 
 def _row(t: torch.Tensor, old: torch.Tensor | None, exact: torch.Tensor | None,
-         applied: tuple[torch.Tensor, torch.Tensor, bool] | None) -> torch.Tensor:
+         applied: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     nan = torch.full((len(WRITE_FIELDS),), math.nan, dtype=torch.float64, device=t.device)
     if old is None or applied is None:
         return nan
     try:
-        diff, total, _ = applied  # |new - old|
+        diff, total = applied  # |new - old|
         cnt = torch.count_nonzero  # NaN counts as nonzero, as ``!= 0`` does
         vals = [torch.tensor(float(t.numel()), dtype=torch.float64, device=t.device)]
         if exact is not None and exact.shape == old.shape:
@@ -352,7 +366,11 @@ class WriteLog:
               step: int, index: int, src: tuple[str, int] | None) -> None:
         """Log the writes of an op that ran (``index``: the first record it makes). The training-step code's own
         writes (``module`` ``""``) keep their exact update in every dtype: ``loss-scaling-misuse`` reports it."""
-        for row, t, (target, name, owner) in zip(pending[0].rows(not module), pending[0].tensors, pending[1]):
+        try:
+            rows = pending[0].rows(not module)
+        except Exception:  # noqa: BLE001 - observation must not raise into user code: statistics unknown
+            rows = [[math.nan] * len(WRITE_FIELDS) for _ in pending[0].tensors]
+        for row, t, (target, name, owner) in zip(rows, pending[0].tensors, pending[1]):
             k = (step, target, name)
             seq = self._seq.get(k, 0)
             self._seq[k] = seq + 1
