@@ -238,7 +238,8 @@ def fp8_scale(ctx: Context) -> list[Candidate]:
     buffer written after last step's cast), ``delayed_scaling`` adds ``scale_step``, ``written_by``,
     ``history_amax`` (the amax the scale came from), ``scale_max`` (the largest |x| the stale scale represents),
     ``amax_growth`` and ``fitting_margin`` (the further ``2**m`` that fits); the finding's ``step`` is the first
-    step that clips."""
+    step that clips. In the emulated fp8 run (precision ``"fp8*"``) too: ``step`` is the first step a layer's role
+    saturates, ``first_saturated`` its amax and the history amax its scale came from."""
     out: list[Candidate] = _emulated_fp8(ctx) + clip_candidates(ctx, "fp8-scale")  # + the user's own fp8 casts
     recs = ctx.records
     for o in ctx.harmful_origins():
@@ -290,15 +291,19 @@ def _emulated_fp8(ctx: Context) -> list[Candidate]:
             zero_amax = sum(1 for t in ts if t.amax == 0)
             worst = max(ts, key=lambda t: t.amax)
             stale = any(t.amax_history < t.amax for t in ts if t.saturated)
+            first = min((t for t in ts if t.saturated), key=lambda t: (t.step, t.call), default=None)
             ev: dict[str, Any] = {"role": role, "format": worst.format, "saturated": sat, "underflowed": und,
                                   "nonzero": nz, "numel": numel, "amax": worst.amax, "scale": worst.scale,
                                   "amax_history": worst.amax_history, "zero_amax_tensors": zero_amax,
                                   "amax_floor": stats.recipe.amax_floor, "scaling": stats.recipe.scaling}
             parts = []
-            if sat:
-                parts.append(f"{sat} value(s) saturate at the {worst.format} max"
-                             + (" because the delayed scale comes from an amax history below the current amax "
-                                f"({fmt(worst.amax_history)} < {fmt(worst.amax)})" if stale else ""))
+            if first is not None:  # the first step that clips, with the amax its (stale) scale came from
+                ev["first_saturated"] = {"step": first.step, "amax": first.amax, "amax_history": first.amax_history,
+                                         "scale": first.scale, "saturated": first.saturated}
+                parts.append(f"{sat} value(s) saturate at the {worst.format} max, first at step {first.step}"
+                             + (" (delayed scaling: the scale was computed from an older amax, an amax history "
+                                f"below the current amax: {fmt(first.amax_history)} < {fmt(first.amax)})"
+                                if stale and first.amax_history < first.amax else ""))
             if nz and und / nz > 0.01:
                 parts.append(f"{und / nz:.0%} of the nonzero values underflow to 0 in {worst.format}")
             if zero_amax:
@@ -313,6 +318,6 @@ def _emulated_fp8(ctx: Context) -> list[Candidate]:
                      FixProposal(f"keep {module} in bf16", "", id="keep_fp32", params={"modules": [module]}))
             out.append(Candidate(Finding("fp8-scale", severity, module, "aten.linear.default",
                                          phase_of[role], f"fp8 {role} of {module}: " + parts[0],
-                                         expl, ev, fixes),
+                                         expl, ev, fixes, first.step if first is not None else 0),
                                  RUN_FP8_SCALES))
     return out

@@ -155,3 +155,42 @@ def test_stale_gradient_scale_saturates_the_backward_cast():
 def test_gradient_margin_that_covers_the_growth_is_clean():
     report = _diagnose(GradQuant(margin=2), lr=0.01)
     assert report.ok and "fp8-scale" not in report.codes(), [(f.code, f.step) for f in report.findings]
+
+
+class Plain(nn.Module):
+    """Three Linears: under precision "fp8" each runs through ampdoctor's emulated fp8 (delayed scaling, margin 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        with torch.no_grad():
+            self.fc1.weight.mul_(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(self.fc2(self.fc1(x)))
+
+
+def _emulated(lr: float) -> ampdoctor.Report:
+    torch.manual_seed(0)
+    model = Plain()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    return ampdoctor.diagnose(model, x, precision="fp8", optimizer=opt, steps=3,
+                              loss_fn=lambda out, b: -out.float().pow(2).mean())
+
+
+def test_emulated_delayed_scaling_names_the_first_step_that_saturates():
+    report = _emulated(0.1)
+    by = {(f.module, f.evidence["role"]): f for f in report.findings if f.code == "fp8-scale"}
+    f = by[("fc2", "input")]
+    assert (f.severity, f.op, f.phase, f.step) == ("warning", "aten.linear.default", "forward", 2)
+    first = f.evidence["first_saturated"]
+    assert first["step"] == 2 and first["amax_history"] < first["amax"] and first["saturated"] > 0
+    assert "delayed scaling: the scale was computed from an older amax" in f.explanation
+    assert by[("fc3", "input")].step == 1 and by[("fc3", "grad_output")].phase == "backward"
+    assert all(g.step == g.evidence["first_saturated"]["step"] > 0 for g in by.values())
+
+
+def test_emulated_delayed_scaling_with_ranges_that_do_not_grow_is_clean():
+    report = _emulated(0.0)  # the same three steps, nothing moves: the history covers every amax
+    assert "fp8-scale" not in report.codes(), [(f.code, f.module, f.step) for f in report.findings]
