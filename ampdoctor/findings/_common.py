@@ -116,6 +116,9 @@ def src_text(r: OpRecord) -> str:
 
 
 def base_evidence(r: OpRecord) -> dict[str, Any]:
+    """The common evidence of a finding at record ``r`` (dtype, numel, input dtypes, autograd node, source line):
+    the one place rules start their evidence; they add their own keys, and :class:`Finding` turns the mapping into
+    an :class:`~ampdoctor.findings.Evidence` (typed fields for the common keys, the rest in ``extra``)."""
     ev: dict[str, Any] = {"dtype": dtype_name(r.dtype), "numel": int(r.stats.get("numel", 0)),
                           "input_dtypes": list(r.input_dtypes)}
     if r.node:

@@ -91,7 +91,7 @@ def compute_dtype(precision: str | None, report: Report | None) -> str:
     """The dtype a step computes in: its precision's, else the coarsest one its traced ops used (else float32)."""
     if precision in PRECISION_DTYPE:
         return PRECISION_DTYPE[precision]
-    seen = {str(layer.get("dtype", "")) for layer in (report.layers if report is not None else ())}
+    seen = {row.dtype for row in (report.layer_stats if report is not None else ())}
     return next((d for d in _LOWEST_FIRST if d in seen), "float32")
 
 

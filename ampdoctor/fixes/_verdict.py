@@ -211,7 +211,7 @@ def _diagnosis_reasons(session: Session, plan: FixPlan, fixed_report: Report | N
     old = compute_dtype(session.spec.precision, session.report)
     if requested in PRECISION_DTYPE and fixed_report is not None and PRECISION_DTYPE[requested] != old \
             and old != "float32":
-        forward = {str(layer.get("dtype", "")) for layer in fixed_report.layers if layer.get("phase") == "forward"}
+        forward = {row.dtype for row in fixed_report.layer_stats if row.phase == "forward"}
         if old in forward:
             reasons.append(f"the precision switch to {requested} did not take effect: forward ops still run in {old} "
                            "(the step casts or autocasts by itself: change the dtype there)")
