@@ -440,3 +440,38 @@ def cumsum_positions(bad: bool) -> dict[str, Any]:
     mask[1, :20] = 0
     return {"model": PaddedPositions(), "precision": "bf16",
             "batch": {"x": torch.randn(2, t, 8, generator=_gen(13)), "attention_mask": mask}}
+
+
+class RotaryArange(nn.Module):
+    """GPT-NeoX-era rotary cache: positions made with ``torch.arange(T).type_as(self.inv_freq)`` -- bf16 once the
+    model is cast."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = torch.arange(x.shape[1], dtype=self.inv_freq.dtype, device=x.device)
+        freqs = torch.einsum("i,j->ij", t.float(), self.inv_freq.float())
+        emb = torch.cat([freqs, freqs], -1)
+        return x * emb.cos().to(x.dtype) + x.roll(1, -1) * emb.sin().to(x.dtype)
+
+
+class RotaryAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(16, 16)
+        self.rot = RotaryArange()
+        self.o = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(self.rot(self.q(x)))
+
+
+@case("rotary-arange-type-as-bf16", "https://github.com/nkalyanv99/UNI-D2/pull/6 (Fix/rope cache dtype: "
+      "torch.arange(...).type_as(self.inv_freq) in bf16 aliases positions above 256); EleutherAI/gpt-neox#1003",
+      ("precision-loss", "rot", "aten.arange.default", "forward"))
+def rotary_arange(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    t = 1024 if bad else 200
+    return {"model": RotaryAttention(), "batch": torch.randn(1, t, 16, generator=_gen(14)), "precision": "bf16"}

@@ -169,3 +169,11 @@ def test_cumsum_positions_numbers() -> None:
     ev = report.findings[0].evidence
     assert ev["integers_exact_up_to"] == 256 and ev["ref_absmax"] == 600  # mask.cumsum(-1): 1..600
     assert all(torch.tensor(x["reference"]).bfloat16().item() == x["target"] for x in ev["examples"])
+
+
+def test_rotary_arange_numbers() -> None:
+    _, report = _diagnose("rotary-arange-type-as-bf16", True)
+    ev = report.findings[0].evidence
+    assert ev["integers_exact_up_to"] == 256 and ev["ref_absmax"] == 1023  # arange(1024)
+    assert all(torch.tensor(x["reference"]).bfloat16().item() == x["target"] for x in ev["examples"])
+    assert "lossy_op" in ev and ev["lossy_op"]["op"] in ("aten.cos.default", "aten.sin.default")
