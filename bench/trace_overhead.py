@@ -386,8 +386,8 @@ def to_markdown(doc: dict[str, Any]) -> str:
             lines += ["", f"Full tier target ≤ {ft['max_ratio']}× (issue 18): {verdict} ({ft['ratio']:.2f}×)."]
         if res.get("machine"):
             mm = res["machine"]
-            lines += ["", f"This config measured {mm.get('date')}, load average at start {mm.get('loadavg_start')}, "
-                      f"at end {mm.get('loadavg_end')}."]
+            lines += ["", f"This config finished {mm.get('date')}; load average when it started "
+                      f"{mm.get('loadavg_start')}, at its end {mm.get('loadavg_end')}."]
         lines.append("")
     lines += _profile_markdown(doc.get("profile"))
     if doc.get("notes"):
