@@ -17,6 +17,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ampdoctor.trace._dtypes import flushes_to_zero
+from ampdoctor.trace._identity import Pins, storage_id
+from ampdoctor.trace._identity import tensor_key as _key
 from ampdoctor.trace._modules import ModuleAttribution, user_frame
 from ampdoctor.trace._ops import Kind, Literal, literal_values, op_info, ops_with
 from ampdoctor.trace._sample import Sketches
@@ -91,14 +93,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _key(t: torch.Tensor) -> tuple[Any, ...] | None:
-    try:
-        ptr = t.untyped_storage().data_ptr()
-    except Exception:  # tensors without storage (sparse, nested, wrapper subclasses)
-        return None
-    return (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-
-
 def _flat(obj: Any, out: list[torch.Tensor]) -> None:
     if isinstance(obj, torch.Tensor):
         out.append(obj)
@@ -160,7 +154,8 @@ class RecordingMode(TorchDispatchMode):
         self.records: list[OpRecord] = []
         self.rows: list[Any] = []
         self.producer: dict[tuple[Any, ...], int] = {}
-        self.storage_writer: dict[int, int] = {}
+        self.storage_writer: dict[int, int] = {}  # storage identity -> latest record that wrote into it
+        self.pins = Pins()  # keys stored below never match a later storage at a reused address
         self.step = 0
         self.in_optimizer = False
         self.seen_backward = False
@@ -177,7 +172,7 @@ class RecordingMode(TorchDispatchMode):
         self.scratch = Scratch()
         self._row_base = 0
         self._read_upto = 0
-        self.sketch = Sketches(_key)  # step-0 samples, decision indices, integer tensors' sources
+        self.sketch = Sketches(self.pins.key)  # step-0 samples, decision indices, integer tensors' sources
         self.writes = WriteLog(attribution)  # in-place writes into module state (:mod:`._writes`)
 
     # -- helpers -------------------------------------------------------------------------------------------
@@ -243,11 +238,11 @@ class RecordingMode(TorchDispatchMode):
         return idx
 
     def _input_index(self, t: torch.Tensor, phase: str, module: str) -> int:
-        key = _key(t)
+        key = self.pins.key(t)
         if key is None:
             return -1
         idx = self.producer.get(key)
-        w = self.storage_writer.get(key[0])
+        w = self.storage_writer.get(storage_id(key))
         if idx is None or (w is not None and w > idx):
             # unseen, or changed through another view since it was produced: fresh statistics
             idx2 = self._leaf(t, key, phase, module)
@@ -441,11 +436,11 @@ class RecordingMode(TorchDispatchMode):
                     self.sketch.sample(t, rec.row, self.step, phase)
                 self.rows.append(self._full_row(t, BOUNDED_OPS.get(base)))
         self.records.append(rec)
-        key = _key(t)
+        key = self.pins.key(t)
         if key is not None:
             self.producer[key] = idx
             if mutated:
-                self.storage_writer[key[0]] = idx
+                self.storage_writer[storage_id(key)] = idx
 
     def _lite_row(self, t: torch.Tensor) -> Any:
         """:func:`lite_stats` (parameter leaves, optimizer outputs); in headroom mode padded with zero flush counts.
