@@ -22,7 +22,7 @@ from ampdoctor.watch._detectors import WINDOW, Detection
 from ampdoctor.watch._options import AnomalyError, WatchOptions
 from ampdoctor.watch._payload import StepInputs
 from ampdoctor.watch._ranks import RankAgreement
-from ampdoctor.watch._rules import NONFINITE_CODES
+from ampdoctor.watch._rules import NONFINITE_CODES, not_reproduced
 from ampdoctor.watch._sinks import Sinks
 
 log = logging.getLogger("ampdoctor.watch")
@@ -58,6 +58,8 @@ class AnomalyPolicy:
         self.replay_report: Report | None = None
         self.replay_error: str | None = None
         self.replay_note: str | None = None
+        #: why the replay found no inf/NaN origin for the anomaly it replayed (``_rules.not_reproduced``)
+        self.unreproduced: dict[str, Any] | None = None
         self.replay_step: int | None = None
         self.skipped_by_guard = 0
         self.deferred: AnomalyError | None = None
@@ -208,6 +210,10 @@ class AnomalyPolicy:
             return
         self.replay_report = report
         self.replay_step = int(payload["step"])
+        self.unreproduced = not_reproduced(report, str(payload["anomaly"]), self.replay_step,
+                                           self.train_step is not None or bool(self.step_method))
+        if self.unreproduced is not None:
+            log.warning("ampdoctor.watch: %s", self.unreproduced["note"])
         root = report.root_cause
         if root is not None:
             log.warning("ampdoctor.watch: replay of step %d: %s in %s (%s, %s)", payload["step"], root.code,

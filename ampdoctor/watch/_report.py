@@ -34,7 +34,7 @@ def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) ->
            + _rules.nonfinite_findings(seen, t.params.owners)
            + _rules.coverage_findings(coverage, t.params.owners, ddp=t.ddp_strict)
            + _rules.low_precision_findings(s.lost if t.params.low else None, t.params.owners))
-    findings = _rules.merge_replay(own, policy.replay_report)
+    findings = _rules.with_unreproduced(_rules.merge_replay(own, policy.replay_report), policy.unreproduced)
     ranks = policy.ranks.summary() if policy.ranks is not None else None
     if ranks is not None:
         findings = _rules.with_ranks(findings, ranks)
@@ -72,6 +72,10 @@ def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) ->
         summary["replay_error"] = policy.replay_error
     if policy.replay_note is not None:
         summary["replay_note"] = policy.replay_note
+    if policy.unreproduced is not None:
+        summary["replay"]["reproduced"] = False      # why, and what to do: in the generic findings too
+        summary["replay"]["not_reproduced"] = dict(policy.unreproduced)
+        summary.setdefault("replay_note", policy.unreproduced["note"])
     layers = policy.replay_report.layers if policy.replay_report is not None else ()
     return Report(tuple(findings), precision["name"], summary, layers, t.options.source or "watch")
 

@@ -356,6 +356,62 @@ def with_ranks(findings: Sequence[Finding], ranks: dict[str, Any]) -> list[Findi
     return [finding, *(f for f in findings if not only_received(f))]
 
 
+#: why a replay did not reproduce the anomaly (``not_reproduced``): the model's output is not a loss, so only the
+#: forward ran; or the whole step ran and stayed finite
+_UNREPRODUCED = {
+    "loss-outside-model": (
+        "The replay of step {step} did not reproduce it: the watched model's output is not a loss (not a scalar, "
+        "no .loss), so the loss was computed outside the model, in the script's own code, and the replay, which "
+        "re-runs only the model's forward with the recorded inputs, ran the forward alone{prec}: it stayed finite "
+        "there. The inf/NaN therefore starts after the model's output: in the loss the script computes (e.g. log, "
+        "pow or exp of a saturated sigmoid/softmax) or in that loss's backward. To name the op, let the replay run "
+        "the loss: compute it inside a module (a wrapper whose forward returns it), or pass it: "
+        "w.replay_with(train_step), ampdoctor.replay(FILE, loss_fn=...), ampdoctor.diagnose(..., loss_fn=...)."),
+    "not-repeated": (
+        "The replay of step {step} did not reproduce it: it re-ran the step from the recorded state and inputs"
+        "{prec} and saw no inf/NaN, so what made it depends on something the replay does not repeat (data or "
+        "state prepared by the script outside the model's forward and its loss, a random draw, another kernel). "
+        "Diagnose that step with its real inputs: ampdoctor.diagnose(model, batch, loss_fn=..., train_step=...)."),
+}
+
+
+def not_reproduced(replay: Report, kind: str, step: int, custom_step: bool) -> dict[str, Any] | None:
+    """Why an in-process replay of a non-finite ``kind`` anomaly found no inf/NaN origin, or None when it found
+    one (or the anomaly is not about non-finite values). The mechanism: the replay ran forward only (the model
+    returns no loss and no ``train_step`` was given), or it ran the whole step and stayed finite."""
+    if kind not in ("nonfinite-loss", "nonfinite-grads") or any(f.code in NONFINITE_CODES for f in replay.findings):
+        return None
+    reason = "loss-outside-model" if replay.summary.get("forward_only") and not custom_step else "not-repeated"
+    prec = f" in {replay.precision}" if replay.precision else ""
+    return {"reason": reason, "step": step, "anomaly": kind,
+            "note": _UNREPRODUCED[reason].format(step=step, prec=prec)}
+
+
+def with_unreproduced(findings: Sequence[Finding], info: dict[str, Any] | None) -> list[Finding]:
+    """The watch's generic non-finite findings (module and op unknown) say that the replay did not reproduce the
+    step, why, and what to do, instead of only pointing at a replay."""
+    if info is None:
+        return list(findings)
+    fixes: tuple[FixProposal, ...] = (FixProposal("compute the loss inside a module, so that a replay re-runs it",
+                         "class WithLoss(nn.Module):\n    def __init__(self, model):\n        super().__init__()\n"
+                         "        self.model = model\n    def forward(self, x, y):\n"
+                         "        return my_loss(self.model(x), y)"),
+             FixProposal("replay the step with the script's loss",
+                         "ampdoctor.replay('reproducer.pt', model_factory=make_model, "
+                         "loss_fn=lambda output, batch: my_loss(output, batch))"))
+    if info["reason"] != "loss-outside-model":
+        fixes = fixes[1:]
+    out = []
+    for f in findings:
+        if f.code == "overflow" and not f.module and not f.op:
+            f = dataclasses.replace(f, explanation=f"{f.explanation} {info['note']}",
+                                    evidence=f.evidence.replace(replay="not-reproduced",
+                                                                replay_reason=info["reason"]),
+                                    fixes=fixes + tuple(f.fixes))
+        out.append(f)
+    return out
+
+
 def merge_replay(own: Sequence[Finding], replay: Report | None) -> list[Finding]:
     """Combine the watch's findings with a replay's.
 
@@ -401,6 +457,8 @@ __all__ = [
     "low_precision_findings",
     "merge_replay",
     "nonfinite_findings",
+    "not_reproduced",
     "order",
     "skipped_runs",
+    "with_unreproduced",
 ]

@@ -1,0 +1,113 @@
+"""A loss written in the training loop (a focal loss on the model's logits, fp16 autocast emulated on CPU) under
+``ampdoctor run``: the watch's in-process replay re-runs the model's forward with the recorded inputs, and the
+model's output is not a loss, so the replay cannot re-run the script's loss code. The report must say so (why, and
+what to do) instead of a bare "overflow, backward, <root>". The same loss inside a module is replayed and located;
+the healthy twin stays clean.
+
+Mechanism: fp16 ``sigmoid(-20)`` underflows to 0, ``log(0) = -inf``, and the backward of ``log`` divides by 0.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+from ampdoctor.findings import Finding, Report
+from ampdoctor.integrations.run import run_script
+from ampdoctor.watch._rules import not_reproduced, with_unreproduced
+
+LOOP = """
+    import sys, torch
+    from torch import nn
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    with torch.no_grad():
+        model[2].bias.fill_(float(sys.argv[1]))      # confident logits: sigmoid leaves fp16's range
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(3):
+        x = torch.randn(8, 16)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = model(x)
+            p = torch.sigmoid(logits)
+            loss = (-(1 - p) ** 2.0 * torch.log(p)).mean()
+        loss.backward()
+        opt.step()
+"""
+
+IN_MODULE = """
+    import sys, torch
+    from torch import nn
+    torch.manual_seed(0)
+    class Focal(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        def forward(self, x):
+            p = torch.sigmoid(self.net(x))
+            return (-(1 - p) ** 2.0 * torch.log(p)).mean()
+    model = Focal()
+    with torch.no_grad():
+        model.net[2].bias.fill_(float(sys.argv[1]))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(3):
+        x = torch.randn(8, 16)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x)
+        loss.backward()
+        opt.step()
+"""
+
+
+def _run(tmp_path, src: str, arg: str) -> Report:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(src))
+    return run_script(["python", str(script), arg])
+
+
+def _keys(r: Report) -> list[tuple[str, str, str, str]]:
+    return [(f.code, f.module, f.op, f.phase) for f in r.findings]
+
+
+def test_loop_loss_replay_says_it_cannot_reproduce_and_why(tmp_path) -> None:
+    r = _run(tmp_path, LOOP, "-20")
+    assert r.summary["script"] == {"status": "completed"}
+    assert r.summary["replay"]["reproduced"] is False, r.summary["replay"]
+    assert r.summary["replay"]["not_reproduced"]["reason"] == "loss-outside-model"
+    f = r.findings[0]
+    assert (f.code, f.module, f.op, f.phase, f.severity) == ("overflow", "", "", "backward", "error"), _keys(r)
+    assert f.evidence["replay"] == "not-reproduced" and f.evidence["replay_reason"] == "loss-outside-model"
+    assert "outside the model" in f.explanation and "fp16-amp" in f.explanation
+    assert "loss_fn=" in " ".join(x.snippet for x in f.fixes)
+    assert not [g for g in r.findings if g.op], _keys(r)      # nothing located that the replay never ran
+
+
+def test_loop_loss_healthy_twin_stays_clean(tmp_path) -> None:
+    r = _run(tmp_path, LOOP, "0")
+    assert r.summary["script"] == {"status": "completed"} and "replay" not in r.summary
+    assert not [g for g in r.findings if g.code in ("overflow", "nan-from-inf", "underflow")], _keys(r)
+
+
+def test_same_loss_inside_a_module_is_located(tmp_path) -> None:
+    r = _run(tmp_path, IN_MODULE, "-20")
+    assert r.summary["replay"].get("reproduced", True) is True and "not_reproduced" not in r.summary["replay"]
+    keys = _keys(r)
+    assert keys[0] == ("underflow", "", "aten.sigmoid.default", "forward"), keys
+    assert ("overflow", "", "aten.log.default", "forward") in keys, keys
+    assert not [g for g in r.findings if "replay_reason" in g.evidence]
+
+
+def test_full_step_replay_that_stays_finite_is_not_blamed_on_the_loss() -> None:
+    generic = Finding("overflow", "error", "", "", "backward", "non-finite gradients at step 3", "At step 3 ...")
+    ran_step = Report((), "fp16", {"forward_only": False}, (), "")
+    info = not_reproduced(ran_step, "nonfinite-grads", 3, custom_step=False)
+    assert info is not None and info["reason"] == "not-repeated" and "step 3" in info["note"]
+    (f,) = with_unreproduced([generic], info)
+    assert f.evidence["replay_reason"] == "not-repeated" and "does not repeat" in f.explanation
+    assert not any("inside a module" in x.title for x in f.fixes)
+    fwd = Report((), "fp16", {"forward_only": True}, (), "")
+    assert not_reproduced(fwd, "nonfinite-grads", 3, custom_step=True)["reason"] == "not-repeated"  # type: ignore[index]
+    assert not_reproduced(fwd, "grad-spike", 3, custom_step=False) is None
+    located = Report((Finding("overflow", "error", "fc", "aten.exp.default", "forward", "t", "e"),),
+                     "fp16", {"forward_only": True}, (), "")
+    assert not_reproduced(located, "nonfinite-grads", 3, custom_step=False) is None
