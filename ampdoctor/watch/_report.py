@@ -65,19 +65,22 @@ def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) ->
     }
     summary.update(_extra_summary(t, policy, precision["name"], ranks))
     if policy.replay_report is not None:
-        summary["replay"] = {"source": policy.replay_report.source, "summary": policy.replay_report.summary}
+        summary["replay"] = {"source": policy.replay_report.source, "summary": policy.replay_report.summary,
+                             **_unreproduced(policy)}
     if s.broken:    # detectors that raised and were switched off (the rest of the watch kept working)
         summary["detectors_off"] = sorted(s.broken)
     if policy.replay_error is not None:
         summary["replay_error"] = policy.replay_error
-    if policy.replay_note is not None:
-        summary["replay_note"] = policy.replay_note
-    if policy.unreproduced is not None:
-        summary["replay"]["reproduced"] = False      # why, and what to do: in the generic findings too
-        summary["replay"]["not_reproduced"] = dict(policy.unreproduced)
-        summary.setdefault("replay_note", policy.unreproduced["note"])
+    note = policy.replay_note or (policy.unreproduced or {}).get("note")
+    if note is not None:
+        summary["replay_note"] = note
     layers = policy.replay_report.layers if policy.replay_report is not None else ()
     return Report(tuple(findings), precision["name"], summary, layers, t.options.source or "watch")
+
+
+def _unreproduced(policy: AnomalyPolicy) -> dict[str, Any]:
+    """The replay found no inf/NaN origin: why, and what to do (also in the generic findings)."""
+    return {} if policy.unreproduced is None else {"reproduced": False, "not_reproduced": dict(policy.unreproduced)}
 
 
 def _extra_summary(t: StepTracker, policy: AnomalyPolicy, ran: str | None,

@@ -54,8 +54,9 @@ import torch
 from torch import nn
 
 from ampdoctor.errors import ReproducerError
-from ampdoctor.findings import Report
+from ampdoctor.findings import Finding, Report
 from ampdoctor.watch._method_step import STEP_METHODS, training_step_replay
+from ampdoctor.watch._rules import not_reproduced, with_unreproduced
 
 log = logging.getLogger(__name__)
 
@@ -401,8 +402,26 @@ def replay(path: str | os.PathLike[str] | dict[str, Any], model_factory: Callabl
     :func:`ampdoctor.diagnose`. Raises :class:`ReproducerError` for unreadable files or a mismatching model.
     """
     payload = path if isinstance(path, dict) else load_reproducer(path)
-    return replay_payload(payload, model_factory, loss_fn=loss_fn, train_step=train_step,
-                          origin="" if isinstance(path, dict) else os.fspath(path), trust_source=trust_source)
+    report = replay_payload(payload, model_factory, loss_fn=loss_fn, train_step=train_step,
+                            origin="" if isinstance(path, dict) else os.fspath(path), trust_source=trust_source)
+    return _with_unreproduced(report, payload, train_step is not None or bool(payload.get("step_method")))
+
+
+def _with_unreproduced(report: Report, payload: dict[str, Any], custom_step: bool) -> Report:
+    """A replay of a non-finite step that found no inf/NaN says so (why, what to do) in a finding of its own: the
+    recorded anomaly is real, only its origin was not reproduced (``_rules.not_reproduced``)."""
+    info = not_reproduced(report, str(payload["anomaly"]), int(payload["step"]), custom_step)
+    if info is None:
+        return report
+    phase = "forward" if info["anomaly"] == "nonfinite-loss" else "backward"
+    generic = Finding("overflow", "error", "", "", phase,
+                      f"step {info['step']} ({info['anomaly']}) was not reproduced by the replay",
+                      f"The reproducer records {info['anomaly']} at step {info['step']}.",
+                      {"step": info["step"], "anomaly": info["anomaly"]}, (), info["step"])
+    summary = dict(report.summary)
+    summary["replay"] = {**summary.get("replay", {}), "reproduced": False, "not_reproduced": info}
+    return Report((*with_unreproduced([generic], info), *report.findings), report.precision, summary,
+                  report.layers, report.source)
 
 
 __all__ = [

@@ -111,3 +111,29 @@ def test_full_step_replay_that_stays_finite_is_not_blamed_on_the_loss() -> None:
     located = Report((Finding("overflow", "error", "fc", "aten.exp.default", "forward", "t", "e"),),
                      "fp16", {"forward_only": True}, (), "")
     assert not_reproduced(located, "nonfinite-grads", 3, custom_step=False) is None
+
+
+def test_replay_of_the_reproducer_file_says_so_too(tmp_path) -> None:
+    import torch
+    from torch import nn
+
+    from ampdoctor.watch import replay
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(LOOP))
+    run_script(["python", str(script), "-20"], reproducer_dir=str(tmp_path / "repro"))
+    (path,) = sorted((tmp_path / "repro").glob("*nonfinite-grads.pt"))
+    r = replay(str(path), model_factory=lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
+    f = r.findings[0]
+    assert (f.code, f.module, f.op, f.phase, f.severity) == ("overflow", "", "", "backward", "error"), _keys(r)
+    assert f.evidence["replay_reason"] == "loss-outside-model" and "outside the model" in f.explanation
+    assert r.summary["replay"]["reproduced"] is False and not r.ok
+    # with the script's loss, the same file names the op
+    def focal(out: torch.Tensor, batch: object) -> torch.Tensor:
+        p = torch.sigmoid(out)
+        return (-(1 - p) ** 2.0 * torch.log(p)).mean()
+
+    located = replay(str(path), model_factory=lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(),
+                                                                      nn.Linear(32, 4)), loss_fn=focal)
+    assert "not_reproduced" not in located.summary["replay"], _keys(located)
+    assert ("overflow", "", "aten.log.default", "forward") in _keys(located), _keys(located)
