@@ -146,6 +146,8 @@ def noop_literals(ctx: Context) -> list[tuple[OpRecord, float, OpRecord | None]]
         src = next((recs[i] for i in r.inputs if i >= 0 and recs[i].shape == r.shape), None)
         if not lits or src is None or any(r.stats.get(k) != src.stats.get(k) for k in _STAT_KEYS):
             continue
+        if not _shows_noop(src.stats, r.stats, lits[0], dt):
+            continue
         ref, ref_src = ctx.ref(r), ctx.ref(src)
         if ref is None or ref_src is None or not ref_src.stats.get("norm"):
             continue
@@ -154,6 +156,21 @@ def noop_literals(ctx: Context) -> list[tuple[OpRecord, float, OpRecord | None]]
         harm = feeds_harm(ctx, r)
         out.append((r, lits[0], harm if harm is not None and zeros_between(ctx, r, harm) else None))
     return out
+
+
+def _shows_noop(s_in: dict[str, float], s_out: dict[str, float], lit: float, dt: str) -> bool:
+    """Identical statistics prove ``x + c == x`` only where they can: every value finite (the statistics are over
+    finite values, so an inf input and its inf output look alike whatever ``c`` does), counts known (not the lite
+    tier), no zeros (``0 + c`` is ``c``), and ``c`` rounding away even against the smallest magnitude."""
+    nonfinite = ("n_nan", "n_posinf", "n_neginf")
+    if any(s.get(k, math.nan) != 0 for s in (s_in, s_out) for k in nonfinite):
+        return False
+    if not (counts_known(s_in) and counts_known(s_out)) or not s_in.get("numel") or s_in.get("n_zero", 1) != 0:
+        return False
+    m = s_in.get("min_nonzero", math.nan)
+    if not math.isfinite(m) or m <= 0:
+        return False
+    return in_dtype(m + abs(lit), dt) == m and in_dtype(m - abs(lit), dt) == m
 
 
 def zeros_between(ctx: Context, r: OpRecord, harm: OpRecord) -> bool:
