@@ -142,6 +142,7 @@ class PendingWrite:
         seeded = torch.Tag.nondeterministic_seeded in func.tags
         self._call: tuple[Any, Any, Any] | None = (func, args, kwargs) if defer and measure and not seeded else None
         self._narrow = False
+        self.measured = measure
         if not measure:
             self.old = [None] * len(tensors)
             return
@@ -183,7 +184,11 @@ class PendingWrite:
         unless ``exact_needed``: an element the write changed kept no update away, so only the elements it left
         unchanged can have lost one -- none (no re-run), or a point-wise op on one tensor (re-run on just those
         elements). ``intended`` is then unknown (NaN) and ``moving`` counts the changed elements as moving. Any other
-        deferred write re-runs whole now, on copies of the old values."""
+        deferred write re-runs whole now, on copies of the old values. An unmeasured write's row is a host list of
+        NaN: no tensor (thousands of small tensors that outlive the step's transients pin the holes those leave in the
+        C heap: see :class:`~ampdoctor.trace._stats.Scratch`)."""
+        if not self.measured:
+            return [[math.nan] * len(WRITE_FIELDS) for _ in self.tensors]
         with torch._C.DisableTorchFunction(), torch.no_grad(), _disable_current_modes():
             if self._narrow and not exact_needed and all(o is not None for o in self.old):
                 rows = self._wide_rows()
