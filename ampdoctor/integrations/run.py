@@ -158,6 +158,7 @@ class _Runner:
         self.watched.add(id(optimizer))
         w = watch(model, optimizer, self._scaler(), source=self.source, **self.options)
         w.__enter__()
+        w.record_loss_code()        # the script's loss code: the replay of a failing step runs it too
         self.watches.append(w)
         log.info("ampdoctor run: watching %s with %s", type(model).__name__, type(optimizer).__name__)
         return w

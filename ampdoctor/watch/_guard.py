@@ -22,6 +22,7 @@ from torch import nn
 
 from ampdoctor.findings import Report
 from ampdoctor.watch._hooks import Health
+from ampdoctor.watch._loss_code import LossCodeTap
 from ampdoctor.watch._method_step import STEP_METHODS
 from ampdoctor.watch._options import KINDS, ON_ANOMALY, AnomalyError, OnAnomaly, WatchOptions
 from ampdoctor.watch._params import unwrap_optimizer
@@ -74,6 +75,7 @@ class Watch:
                                      skip_step=self._tracker.drop_grads)
         self._tracker.policy = self._policy
         self._policy.sharded = is_sharded(model)
+        self._loss_tap: LossCodeTap | None = None
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> Watch:
@@ -110,6 +112,8 @@ class Watch:
                     self._health.disable(e)
         finally:
             try:
+                if self._loss_tap is not None:
+                    self._loss_tap.close()
                 self._tracker.remove_hooks()    # removes every hook even when one fails, then re-raises
             except Exception as e:  # noqa: BLE001 - must not escape __exit__ (nor hide the user's error)
                 self._health.disable(e)
@@ -157,6 +161,16 @@ class Watch:
         if method and method not in STEP_METHODS:
             raise ValueError(f"method must be one of {', '.join(map(repr, STEP_METHODS))} or '', got {method!r}")
         self._policy.train_step, self._policy.step_method = train_step, method
+
+    def record_loss_code(self) -> None:
+        """Record each step's loss code (the torch calls from the model's output to ``backward()``, when the model
+        returns no loss) so that the in-process replay runs it too (:mod:`ampdoctor.watch._loss_code`);
+        ``ampdoctor run`` turns it on. No effect with :meth:`replay_with` or after the watch was disabled."""
+        self._require_entered("record_loss_code()")
+        if self._loss_tap is None and self._health.working:
+            self._loss_tap = LossCodeTap(self.model, self.optimizer, lambda: self._tracker.it.record.step,
+                                         self._health)
+            self._policy.loss_code = self._loss_tap.program
 
     def expect_precision(self, requested: str, by: str) -> None:
         """What the user asked ``by`` (a framework: ``"Trainer(fp16=True)"``) to run, ``"fp16"`` or ``"bf16"``;

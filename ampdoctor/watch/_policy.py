@@ -68,6 +68,9 @@ class AnomalyPolicy:
         self.train_step: Callable[..., Any] | None = None
         #: the model method that is the step (``training_step``), recorded in reproducers; "" for the root's forward
         self.step_method = ""
+        #: the loss code recorded in a step (``_loss_code.LossCodeTap.program``), replayed when the model
+        #: returns no loss and no ``train_step`` is given
+        self.loss_code: Callable[[int], Any] | None = None
         #: data-parallel ranks agree on raise/skip (:mod:`ampdoctor.watch._ranks`); None: decide locally
         self.ranks: RankAgreement | None = None
         #: the precision a framework was asked for, and by what (``Watch.expect_precision``)
@@ -198,11 +201,17 @@ class AnomalyPolicy:
         self.reproducers.append(path)
         return path
 
+    def _loss_fn(self, payload: dict[str, Any]) -> Any:
+        if self.loss_code is None or self.train_step is not None or self.step_method:
+            return None
+        program = self.loss_code(int(payload["step"]))
+        return None if program is None else program.loss_fn
+
     def _replay(self, payload: dict[str, Any], path: str | None) -> None:
         try:
             with torch.enable_grad():   # may run inside optimizer.step(), which disables grad
                 report = _reproducer.replay_payload(payload, self._copy_model, origin=path or "",
-                                                     train_step=self.train_step)
+                                                     train_step=self.train_step, loss_fn=self._loss_fn(payload))
         except Exception as exc:  # noqa: BLE001 - a failed replay must not stop training
             self.replay_error = f"{type(exc).__name__}: {exc}"
             log.warning("ampdoctor.watch: replaying step %d failed (%s); the watch goes on", payload["step"],

@@ -1,8 +1,9 @@
 """A loss written in the training loop (a focal loss on the model's logits, fp16 autocast emulated on CPU) under
-``ampdoctor run``: the watch's in-process replay re-runs the model's forward with the recorded inputs, and the
-model's output is not a loss, so the replay cannot re-run the script's loss code. The report must say so (why, and
-what to do) instead of a bare "overflow, backward, <root>". The same loss inside a module is replayed and located;
-the healthy twin stays clean.
+``ampdoctor run``: the watch records the step's loss code (the torch calls from the model's output to
+``backward()``), so the in-process replay runs it and names the op, phase and the script's line, as for the same
+loss inside a module. Where no loss code was recorded (a plain ``ampdoctor.watch``, a reproducer file), the report
+says that the replay ran the forward alone, why, and what to do, instead of a bare "overflow, backward, <root>".
+The healthy twin stays clean, and the script's results are bitwise those of a run without ampdoctor.
 
 Mechanism: fp16 ``sigmoid(-20)`` underflows to 0, ``log(0) = -inf``, and the backward of ``log`` divides by 0.
 """
@@ -69,9 +70,39 @@ def _keys(r: Report) -> list[tuple[str, str, str, str]]:
     return [(f.code, f.module, f.op, f.phase) for f in r.findings]
 
 
-def test_loop_loss_replay_says_it_cannot_reproduce_and_why(tmp_path) -> None:
+def test_loop_loss_is_replayed_and_the_op_named(tmp_path) -> None:
     r = _run(tmp_path, LOOP, "-20")
-    assert r.summary["script"] == {"status": "completed"}
+    assert r.summary["script"] == {"status": "completed"} and "not_reproduced" not in r.summary["replay"]
+    keys = _keys(r)
+    assert keys[0] == ("underflow", "", "aten.sigmoid.default", "forward"), keys   # fp16 sigmoid(-20) == 0
+    assert ("overflow", "", "aten.log.default", "forward") in keys, keys            # log(0) = -inf
+    assert r.findings[0].severity == "error" and r.findings[0].evidence["source"] == "train.py:14"
+    assert r.findings[keys.index(("overflow", "", "aten.log.default", "forward"))].evidence["source"] == "train.py:15"
+    assert not [f for f in r.findings if not f.op], keys        # the generic "<root>, no op" finding gave way
+    from torch.overrides import _get_current_function_mode_stack
+    assert not _get_current_function_mode_stack()              # the recorder left the mode stack
+
+
+def test_plain_watch_without_loss_code_says_it_cannot_reproduce_and_why() -> None:
+    import torch
+    from torch import nn
+
+    import ampdoctor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    with torch.no_grad():
+        model[2].bias.fill_(-20.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with ampdoctor.watch(model, opt) as w:
+        for _ in range(2):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                p = torch.sigmoid(model(torch.randn(8, 16)))
+                loss = (-(1 - p) ** 2.0 * torch.log(p)).mean()
+            loss.backward()
+            opt.step()
+    r = w.report()
     assert r.summary["replay"]["reproduced"] is False, r.summary["replay"]
     assert r.summary["replay"]["not_reproduced"]["reason"] == "loss-outside-model"
     f = r.findings[0]
@@ -80,6 +111,28 @@ def test_loop_loss_replay_says_it_cannot_reproduce_and_why(tmp_path) -> None:
     assert "outside the model" in f.explanation and "fp16-amp" in f.explanation
     assert "loss_fn=" in " ".join(x.snippet for x in f.fixes)
     assert not [g for g in r.findings if g.op], _keys(r)      # nothing located that the replay never ran
+
+
+def test_results_are_bitwise_those_of_a_run_without_ampdoctor(tmp_path) -> None:
+    import runpy
+    import sys
+
+    import torch
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(LOOP) + "torch.save(model.state_dict(), sys.argv[2])\n")
+    for arg in ("0", "-20"):
+        run_script(["python", str(script), arg, str(tmp_path / "watched.pt")])
+        old = sys.argv[:]
+        try:
+            sys.argv = [str(script), arg, str(tmp_path / "plain.pt")]
+            runpy.run_path(str(script), run_name="__main__")
+        finally:
+            sys.argv = old
+        a, b = torch.load(tmp_path / "watched.pt"), torch.load(tmp_path / "plain.pt")
+        assert a.keys() == b.keys(), arg
+        for k in a:     # NaN weights (the unprotected failing run) compare by position
+            assert torch.equal(a[k].isnan(), b[k].isnan()) and torch.equal(a[k].nan_to_num(), b[k].nan_to_num()), k
 
 
 def test_loop_loss_healthy_twin_stays_clean(tmp_path) -> None:

@@ -1,0 +1,246 @@
+"""The loss a training loop computes from the model's output, recorded call by call so a replay can run it.
+
+When the watched model returns no loss (``logits = model(x); loss = focal(logits, y); loss.backward()``), the
+in-process replay would run the forward alone and miss an inf/NaN made by the loop's loss code. While the watch
+is told to (``ampdoctor run``), each training step's torch calls between the root module's return and
+``backward()`` are recorded at the ``__torch_function__`` level (``torch.sigmoid``, ``Tensor.__rsub__``,
+``torch.log``, ...: what the script called, before autocast, so a replay in fp32 runs them in fp32), with the
+tensors they read either the model's output, an earlier call's result, or a tensor from outside (targets, class
+weights: kept by reference for that step). :meth:`LossProgram.loss_fn` runs the same calls on a replay's output:
+nothing from the script's source runs, only the torch functions it called, in its order, with its arguments.
+
+The recorder is a :class:`~torch.overrides.TorchFunctionMode` pushed when the root module returns and popped at
+``backward()`` (or at the optimizer step, the next forward, the watch's exit): a step whose loss uses a
+``TorchFunctionMode`` of its own, or more than :data:`MAX_CALLS` calls, is not recorded (the replay then says it
+ran the forward alone).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ampdoctor.precision import default_loss
+from ampdoctor.watch._hooks import Health, Hook, guarded
+from ampdoctor.watch._reproducer import is_replaying
+
+log = logging.getLogger("ampdoctor.watch")
+
+#: a loss computed in more torch calls than this is not recorded (the recorder stops)
+MAX_CALLS = 512
+
+_BACKWARDS = (torch.Tensor.backward, torch.autograd.backward)
+_SKIP = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_CALL = (lambda func, args, kwargs: func(*args, **kwargs)).__code__
+
+
+def _caller() -> tuple[str, int] | None:
+    """The script's statement that made a torch call (the innermost frame outside torch and ampdoctor)."""
+    f: Any = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename
+        if not name.startswith(_SKIP) and not name.startswith("<"):
+            return name, f.f_lineno
+        f = f.f_back
+    return None
+
+
+def _at(where: tuple[str, int] | None) -> Callable[..., Any]:
+    """A caller of a recorded function whose frame carries the script's file and line (so an op located in the
+    replay names the script's statement, not this module); it runs only ``func(*args, **kwargs)``."""
+    code = _CALL if where is None else _CALL.replace(co_filename=where[0], co_firstlineno=where[1])
+    return types.FunctionType(code, {})
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A tensor a recorded call read: leaf ``leaf`` of the model's output (``call == -1``) or of call ``call``'s
+    result."""
+
+    call: int
+    leaf: int
+
+
+@dataclass(frozen=True)
+class Call:
+    func: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    where: tuple[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class LossProgram:
+    """The recorded loss code of one step: its calls and the reference of the tensor ``backward()`` ran on."""
+
+    calls: tuple[Call, ...]
+    loss: Ref
+
+    def loss_fn(self, output: Any, batch: Any = None) -> torch.Tensor:
+        """The recorded calls run on ``output`` (the replay's model output); returns the loss."""
+        values: dict[int, list[Any]] = {-1: tree_flatten(output)[0]}
+
+        def resolve(x: Any) -> Any:
+            return values[x.call][x.leaf] if isinstance(x, Ref) else x
+
+        for i, c in enumerate(self.calls):
+            out = _at(c.where)(c.func, tree_map(resolve, c.args), tree_map(resolve, c.kwargs))
+            values[i] = tree_flatten(out)[0]
+        loss = resolve(self.loss)
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError("the recorded loss is not a tensor")
+        return loss
+
+
+class LossRecorder(TorchFunctionMode):
+    """Records the torch calls of one step from the model's output to ``backward()``."""
+
+    def __init__(self, output: Any) -> None:
+        super().__init__()
+        self._ids: dict[int, Ref] = {}
+        self._alive: list[Any] = []          # keeps recorded tensors alive while recording: ids stay unique
+        for i, leaf in enumerate(tree_flatten(output)[0]):
+            if isinstance(leaf, torch.Tensor):
+                self._ids[id(leaf)] = Ref(-1, i)
+                self._alive.append(leaf)
+        self.calls: list[Call] = []
+        self._reads_output: set[int] = set()     # the calls computed from the model's output
+        self.program: LossProgram | None = None
+        self.failed = not self._ids
+        self.done = self.failed
+
+    def _spec(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return self._ids.get(id(x), x)
+        return x
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.done:
+            return func(*args, **kwargs)
+        if func in _BACKWARDS:
+            self._finish(args[0] if args else kwargs.get("tensors"))
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if len(self.calls) >= MAX_CALLS:
+            self.stop(f"the loss code made more than {MAX_CALLS} torch calls")
+            return out
+        try:
+            call = Call(func, tuple(tree_map(self._spec, list(args))), tree_map(self._spec, kwargs), _caller())
+            self.calls.append(call)
+            i = len(self.calls) - 1
+            reads = [x for x in tree_flatten((call.args, call.kwargs))[0] if isinstance(x, Ref)]
+            if any(x.call == -1 or x.call in self._reads_output for x in reads):
+                self._reads_output.add(i)
+            for j, leaf in enumerate(tree_flatten(out)[0]):
+                if isinstance(leaf, torch.Tensor):
+                    self._ids[id(leaf)] = Ref(i, j)
+                    self._alive.append(leaf)
+        except Exception as exc:  # noqa: BLE001 - recording must never break the user's step
+            self.stop(f"{type(exc).__name__}: {exc}")
+        return out
+
+    def _finish(self, loss: Any) -> None:
+        ref = self._ids.get(id(loss)) if isinstance(loss, torch.Tensor) else None
+        if ref is None or (ref.call != -1 and ref.call not in self._reads_output):
+            self.stop("backward() ran on a tensor not computed from the model's output")
+            return
+        self.program = LossProgram(tuple(self.calls), ref)
+        self._release()
+
+    def stop(self, why: str) -> None:
+        log.debug("ampdoctor.watch: the loss code is not recorded: %s", why)
+        self.failed = True
+        self._release()
+
+    def _release(self) -> None:
+        self.done = True
+        self._ids, self._alive = {}, []
+
+    def pop(self) -> bool:
+        """Leave the mode stack if this mode is on top (True when it is off the stack)."""
+        from torch.overrides import _get_current_function_mode_stack
+
+        stack = _get_current_function_mode_stack()
+        if not stack or stack[-1] is not self:
+            return self not in stack
+        self.__exit__(None, None, None)
+        self._release()
+        return True
+
+
+class LossCodeTap:
+    """Records each training step's loss code on ``model`` (a forward hook on the root module, a step pre-hook on
+    the optimizer to leave the mode stack); keeps the last step's :class:`LossProgram`. A model that returns its
+    loss itself is not recorded (a replay runs its forward, loss included)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, step_of: Callable[[], int],
+                 health: Health) -> None:
+        self.health = health
+        self._step_of = step_of
+        self.recorder: LossRecorder | None = None
+        self._step = -1
+        self._program: tuple[int, LossProgram] | None = None
+        self.handles = [model.register_forward_hook(Hook(self.on_output))]
+        if optimizer is not None:
+            self.handles.append(optimizer.register_step_pre_hook(Hook(self.on_step)))
+
+    @guarded
+    def on_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.recorder is not None and not self.recorder.done:   # a 2nd forward before backward: the replay
+            self.recorder.stop("the loss reads more than one forward")  # re-runs one forward only
+        self.settle()
+        if self.recorder is not None or is_replaying() or not torch.is_grad_enabled():
+            return
+        if default_loss(output) is not None:
+            return
+        rec = LossRecorder(output)
+        if not rec.failed:
+            rec.__enter__()
+            self.recorder, self._step = rec, self._step_of()
+
+    @guarded
+    def on_step(self, *args: Any) -> None:
+        self.settle()
+
+    def settle(self) -> None:
+        """Keep a finished recording; leave the mode stack when on top (else try again at the next hook)."""
+        rec = self.recorder
+        if rec is None:
+            return
+        if rec.program is not None:
+            self._program = (self._step, rec.program)
+        if not rec.done and self._step != self._step_of():
+            rec.stop("the step ended before backward()")
+        if rec.done and rec.pop():
+            self.recorder = None
+
+    def program(self, step: int) -> LossProgram | None:
+        """The loss code recorded in ``step``, if any."""
+        self.settle()
+        return self._program[1] if self._program is not None and self._program[0] == step else None
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        rec = self.recorder
+        if rec is not None:
+            rec.stop("the watch is closing")
+            if not rec.pop():
+                log.warning("ampdoctor.watch: a TorchFunctionMode entered after the model's forward is still "
+                            "active; the loss recorder stays below it as a pass-through")
+        self.recorder = None
+
+
+__all__ = ["MAX_CALLS", "Call", "LossCodeTap", "LossProgram", "LossRecorder", "Ref"]
