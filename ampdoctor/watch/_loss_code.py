@@ -197,10 +197,12 @@ class LossCodeTap:
 
     @guarded
     def on_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        if is_replaying():         # a replay's copy shares this hook: its forward is not the script's
+            return
         if self.recorder is not None and not self.recorder.done:   # a 2nd forward before backward: the replay
             self.recorder.stop("the loss reads more than one forward")  # re-runs one forward only
         self.settle()
-        if self.recorder is not None or is_replaying() or not torch.is_grad_enabled():
+        if self.recorder is not None or not torch.is_grad_enabled():
             return
         if default_loss(output) is not None:
             return
