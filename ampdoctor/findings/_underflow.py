@@ -27,6 +27,7 @@ from ampdoctor.findings._graph import (
     dead_gradients,
     descendants,
     gradient_params,
+    param_numels,
 )
 from ampdoctor.findings._registry import Candidate, rule
 from ampdoctor.findings._remedies import propose
@@ -62,9 +63,12 @@ def underflow(ctx: Context) -> list[Candidate]:
     is the first op that flushes them from inputs that still held them; values merely rounded to the subnormal
     floor are evidence, not the origin. An inf/NaN made by dividing by such zeros (``m / (sqrt(0) + 0)``, 0/0)
     has this underflow as its root cause. Severity ``error`` when it zeroes the gradient of parameters (all-zero
-    in the target, not in the reference), the loss, or feeds an inf/NaN that reaches the loss, a gradient or an
-    update; ``warning`` otherwise. A buffer the model cast flushed (tiny variances) is a ``setup`` origin (owner);
-    a user's fp8 cast flushing most values is an error at the cast (``amax``, ``scale``, ``fitting_scale``)."""
+    in the target, not in the reference) that would have moved them (the optimizer's update from the fp32 gradient,
+    ``lr * g / (g + eps)`` for Adam-type, is at least half an fp32 ulp of the parameter's |max|; without an
+    optimizer, the gradient is above 2**-24 of the step's largest), the loss, or feeds an inf/NaN that reaches
+    the loss, a gradient or an update; ``warning`` otherwise. A buffer the model cast flushed (tiny variances) is
+    a ``setup`` origin (owner); a user's fp8 cast flushing most values is an error at the cast (``amax``,
+    ``scale``, ``fitting_scale``)."""
     # long: the docstring is this code's entry in docs/codes.md
     out: list[Candidate] = flush_candidates(ctx)  # the user's own fp8 casts, with their scale
     origins = without_fp8_casts(ctx, ctx.underflow_origins)
@@ -104,17 +108,77 @@ def underflow(ctx: Context) -> list[Candidate]:
             ev["feeds_nonfinite"] = [ctx.describe(recs[i]) for i in feeds[:3]]
         if consts:
             ev["constants_below_floor"] = sorted(set(consts))
-        severity = "error" if dead or feeds or loss_zero else "warning"
+        lost = _lost_gradients(ctx, r.step, set(dead)) if dead else {}
+        if lost:
+            ev["ref_lost_gradient_absmax"] = max(lost.values())
+        harmless = bool(dead) and len(lost) == len(dead) and all(
+            _negligible(ctx, r.step, p, g) for p, g in lost.items())
+        severity = "error" if (dead and not harmless) or feeds or loss_zero else "warning"
         expl = (f"{where(r)} returns exactly 0 for {frac:.1%} of the {int(nonzero)} values that are nonzero in fp32: "
                 f"the reference values reach only |max| {fmt(cmp['absmax'])} (smallest nonzero "
                 f"{fmt(cmp['min_nonzero'])}), below {dt}'s smallest subnormal {fmt(floor)}"
                 + (f" (smallest normal {fmt(limits(r.dtype)[1])})" if is_low(r.dtype) else "") + ".")
         expl += _consequences(dt, sub_in, consts, dead, [recs[i] for i in feeds], loss_zero)
+        if harmless:
+            expl += (f" But their fp32 gradients are tiny (|max| {fmt(max(lost.values()))}): the update "
+                     "they would have made is under half an fp32 ulp of the parameters (or below fp32's resolution "
+                     "next to the step's other gradients): what is lost would have moved nothing; a warning.")
         out.append(Candidate(Finding(
             "underflow", severity, r.module, r.op, r.phase,
             f"{op_base(r.op)} flushes {frac:.0%} of its values to 0 in {dt} in {r.module or '<root>'}"
             + (f" ({r.phase})" if r.phase != "forward" else ""), expl, ev, _fixes(ctx, r), r.step), r.index))
     return out + _pole_candidates(ctx) + buffer_candidates(ctx, "flushed")
+
+
+def _grad_absmax(ctx: Context, step: int) -> dict[str, float]:
+    """Per parameter, the reference gradient's |max| in ``step`` (from the ``AccumulateGrad`` records), unscaled."""
+    sizes, owners = param_numels(ctx), ctx.target.owners
+    ref_run = ctx.reference
+    scale = ref_run.step_scales[step] if ref_run is not None and step < len(ref_run.step_scales) else 1.0
+    out: dict[str, float] = {}
+    for r in ctx.records:
+        if r.node != "AccumulateGrad" or r.step != step or r.phase != "backward":
+            continue
+        ref = ctx.ref(r)
+        g = ref.stats.get("absmax") if ref is not None else None
+        if g is None or not math.isfinite(g) or not scale:
+            continue
+        n = int(r.stats.get("numel", -1))
+        for p, o in owners.items():
+            if o == r.module and sizes.get(p, n) == n:
+                out[p] = max(out.get(p, 0.0), g / scale)
+    return out
+
+
+def _lost_gradients(ctx: Context, step: int, dead: set[str]) -> dict[str, float]:
+    """The fp32 reference gradient |max| of each parameter whose gradient the target zeroes (where known)."""
+    grads = _grad_absmax(ctx, step)
+    return {p: grads[p] for p in dead if p in grads}
+
+
+def _param_absmax(ctx: Context, name: str) -> float | None:
+    return next((r.stats.get("absmax") for r in ctx.records if r.kind == "param" and r.name == name), None)
+
+
+def _negligible(ctx: Context, step: int, name: str, g: float) -> bool:
+    """The lost gradient (fp32 |max| ``g``) would have moved nothing. With the optimizer's lr known: its update
+    (``lr * g / (g + eps)`` for an Adam-type optimizer, the first step's ``m / (sqrt(v) + eps)``; ``lr * g``
+    otherwise) is under half an fp32 ulp of the parameter's largest value, or under 2**-24 of the step's other
+    updates. Otherwise: ``g`` is below fp32's resolution next to the step's largest gradient."""
+    defaults = ctx.target.optimizer_info.get("defaults", {})
+    lr, eps = defaults.get("lr"), defaults.get("eps")
+    if isinstance(lr, (int, float)) and not isinstance(lr, bool):
+        w = _param_absmax(ctx, name)
+        if w is None or not math.isfinite(w):
+            return False
+        adam = isinstance(eps, float) and eps > 0
+        update = lr * g / (g + eps) if adam else lr * g
+        if update <= 2.0**-25 * w:
+            return True
+        if adam:  # below fp32's resolution next to the step's other updates (about lr each): also at w = 0
+            return g / (g + eps) <= 2.0**-24
+    grads = _grad_absmax(ctx, step)
+    return bool(grads) and g <= 2.0**-24 * max(grads.values())
 
 
 def _pole_candidates(ctx: Context) -> list[Candidate]:
