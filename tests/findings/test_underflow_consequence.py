@@ -1,7 +1,9 @@
 """``underflow`` severity follows what was lost: a zeroed gradient that would have moved nothing is a warning.
 
-MobileViT-like (the zoo's healthy fp16-amp mobilevit): an attention block whose input reaches its bias-free query
-/ key projections only ~1e-6 large (x * 1e-6 here; a tiny random-init net there). The scores ``q @ k^T`` then
+MobileViT-like (the zoo's healthy fp16-amp mobilevit, its q/k weights): an attention block whose input reaches its
+bias-free query / key projections only ~1e-6 large (x * 1e-6 here; a tiny random-init net there; the zoo net's
+zero-initialised q/k biases get fp32 gradients up to 1.8e-11, which AdamW would turn into ~2e-6 steps away from 0,
+so that run, by this rule, keeps its error). The scores ``q @ k^T`` then
 flush to 0 in fp16 under autocast + GradScaler(65536), and q/k get all-zero gradients where fp32 has ~2e-15.
 AdamW's first update from such a gradient is ``lr * g / (g + eps)`` = 1e-3 * 2e-7 = 2e-10, under half an fp32 ulp
 of weights ~0.25 (7e-9): nothing would have moved, so it is a warning. At x * 1e-4 the fp32 gradients are ~2e-11
