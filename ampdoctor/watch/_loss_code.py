@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
 
 from ampdoctor.precision import default_loss
 from ampdoctor.watch._hooks import Health, Hook, guarded
@@ -42,6 +42,32 @@ MAX_CALLS = 512
 _BACKWARDS = (torch.Tensor.backward, torch.autograd.backward)
 _SKIP = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _CALL = (lambda func, args, kwargs: func(*args, **kwargs)).__code__
+
+
+def _map(fn: Callable[[Any], Any], x: Any) -> Any:
+    """``fn`` applied to each tensor/``Ref`` in nested tuples, lists and dicts (arguments are small and flat)."""
+    if isinstance(x, (torch.Tensor, Ref)):
+        return fn(x)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_map(fn, v) for v in x) if type(x) in (tuple, list) else x
+    if type(x) is dict:
+        return {k: _map(fn, v) for k, v in x.items()}
+    return x
+
+
+def _leaves(x: Any) -> list[Any]:
+    """The values of a result or model output, in order (tuples, lists, dicts and ModelOutput-like mappings)."""
+    if isinstance(x, (tuple, list)) and not isinstance(x, torch.Size):
+        return [leaf for v in x for leaf in _leaves(v)]
+    if isinstance(x, dict):
+        return [leaf for v in x.values() for leaf in _leaves(v)]
+    return [x]
+
+
+def _refs(x: Any) -> list[Ref]:
+    out: list[Ref] = []
+    _map(lambda r: out.append(r) if isinstance(r, Ref) else None, x)
+    return out
 
 
 def _caller() -> tuple[str, int] | None:
@@ -88,14 +114,14 @@ class LossProgram:
 
     def loss_fn(self, output: Any, batch: Any = None) -> torch.Tensor:
         """The recorded calls run on ``output`` (the replay's model output); returns the loss."""
-        values: dict[int, list[Any]] = {-1: tree_flatten(output)[0]}
+        values: dict[int, list[Any]] = {-1: _leaves(output)}
 
         def resolve(x: Any) -> Any:
             return values[x.call][x.leaf] if isinstance(x, Ref) else x
 
         for i, c in enumerate(self.calls):
-            out = _at(c.where)(c.func, tree_map(resolve, c.args), tree_map(resolve, c.kwargs))
-            values[i] = tree_flatten(out)[0]
+            out = _at(c.where)(c.func, _map(resolve, c.args), _map(resolve, c.kwargs))
+            values[i] = _leaves(out)
         loss = resolve(self.loss)
         if not isinstance(loss, torch.Tensor):
             raise TypeError("the recorded loss is not a tensor")
@@ -109,7 +135,7 @@ class LossRecorder(TorchFunctionMode):
         super().__init__()
         self._ids: dict[int, Ref] = {}
         self._alive: list[Any] = []          # keeps recorded tensors alive while recording: ids stay unique
-        for i, leaf in enumerate(tree_flatten(output)[0]):
+        for i, leaf in enumerate(_leaves(output)):
             if isinstance(leaf, torch.Tensor):
                 self._ids[id(leaf)] = Ref(-1, i)
                 self._alive.append(leaf)
@@ -136,13 +162,13 @@ class LossRecorder(TorchFunctionMode):
             self.stop(f"the loss code made more than {MAX_CALLS} torch calls")
             return out
         try:
-            call = Call(func, tuple(tree_map(self._spec, list(args))), tree_map(self._spec, kwargs), _caller())
+            call = Call(func, _map(self._spec, tuple(args)), _map(self._spec, kwargs), _caller())
             self.calls.append(call)
             i = len(self.calls) - 1
-            reads = [x for x in tree_flatten((call.args, call.kwargs))[0] if isinstance(x, Ref)]
+            reads = [x for x in _refs((call.args, call.kwargs))]
             if any(x.call == -1 or x.call in self._reads_output for x in reads):
                 self._reads_output.add(i)
-            for j, leaf in enumerate(tree_flatten(out)[0]):
+            for j, leaf in enumerate(_leaves(out)):
                 if isinstance(leaf, torch.Tensor):
                     self._ids[id(leaf)] = Ref(i, j)
                     self._alive.append(leaf)
@@ -191,9 +217,10 @@ class LossCodeTap:
         self.recorder: LossRecorder | None = None
         self._step = -1
         self._program: tuple[int, LossProgram] | None = None
+        self.optimizer = optimizer
         self.handles = [model.register_forward_hook(Hook(self.on_output))]
-        if optimizer is not None:
-            self.handles.append(optimizer.register_step_pre_hook(Hook(self.on_step)))
+        if optimizer is not None:   # global: runs before the watch's own step hook, whose torch calls then skip
+            self.handles.append(register_optimizer_step_pre_hook(Hook(self.on_step)))   # this mode
 
     @guarded
     def on_output(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -212,8 +239,9 @@ class LossCodeTap:
             self.recorder, self._step = rec, self._step_of()
 
     @guarded
-    def on_step(self, *args: Any) -> None:
-        self.settle()
+    def on_step(self, optimizer: Any, *args: Any) -> None:
+        if optimizer is self.optimizer:
+            self.settle()
 
     def settle(self) -> None:
         """Keep a finished recording; leave the mode stack when on top (else try again at the next hook)."""
