@@ -56,9 +56,9 @@ NOTES = {
                  "GradScaler (scale 65536) the tiny random-init MobileViT's layer-2 attention query/key weights and "
                  "biases get all-zero gradients (query.weight 256/256, key.weight 256/256 zero where fp32 is "
                  "nonzero): its attention scores reach only |max| 6e-10 in fp32, below fp16's smallest subnormal "
-                 "6e-8, so the forward bmm returns exact zeros. The fp32 gradients are tiny (|max| 1e-15), so the "
-                 "lost update is negligible next to AdamW's eps -- an error severity that ignores the size of what "
-                 "was lost; left to the underflow rule's owners.",
+                 "6e-8, so the forward bmm returns exact zeros. The weights' fp32 gradients are tiny (|max| 1e-15) and "
+                 "the underflow rule judges their loss negligible, but the zero-initialised q/k biases' fp32 "
+                 "gradients (up to 1.8e-11) would move them from 0 by ~2e-6 under AdamW, so it stays an error.",
 }
 log = logging.getLogger("zoo")
 
