@@ -18,8 +18,6 @@ ran the forward alone).
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 
 from ampdoctor.precision import default_loss
+from ampdoctor.trace import user_frame
 from ampdoctor.watch._hooks import Health, Hook, guarded
 from ampdoctor.watch._reproducer import is_replaying
 
@@ -40,7 +39,6 @@ log = logging.getLogger("ampdoctor.watch")
 MAX_CALLS = 512
 
 _BACKWARDS = (torch.Tensor.backward, torch.autograd.backward)
-_SKIP = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _CALL = (lambda func, args, kwargs: func(*args, **kwargs)).__code__
 
 
@@ -68,17 +66,6 @@ def _refs(x: Any) -> list[Ref]:
     out: list[Ref] = []
     _map(lambda r: out.append(r) if isinstance(r, Ref) else None, x)
     return out
-
-
-def _caller() -> tuple[str, int] | None:
-    """The script's statement that made a torch call (the innermost frame outside torch and ampdoctor)."""
-    f: Any = sys._getframe(2)
-    while f is not None:
-        name = f.f_code.co_filename
-        if not name.startswith(_SKIP) and not name.startswith("<"):
-            return name, f.f_lineno
-        f = f.f_back
-    return None
 
 
 def _at(where: tuple[str, int] | None) -> Callable[..., Any]:
@@ -162,7 +149,7 @@ class LossRecorder(TorchFunctionMode):
             self.stop(f"the loss code made more than {MAX_CALLS} torch calls")
             return out
         try:
-            call = Call(func, _map(self._spec, tuple(args)), _map(self._spec, kwargs), _caller())
+            call = Call(func, _map(self._spec, tuple(args)), _map(self._spec, kwargs), user_frame(2))
             self.calls.append(call)
             i = len(self.calls) - 1
             reads = [x for x in _refs((call.args, call.kwargs))]
