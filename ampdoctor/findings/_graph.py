@@ -9,6 +9,7 @@ from ampdoctor.findings._common import SAME_VALUE_OPS, op_base
 
 if TYPE_CHECKING:
     from ampdoctor.findings._context import Context
+    from ampdoctor.trace import OpRecord
 
 
 def alias_closure(ctx: Context, seeds: Iterable[int]) -> set[int]:
@@ -49,15 +50,19 @@ def descendants(ctx: Context, idx: int) -> set[int]:
 def gradient_params(ctx: Context, indices: set[int]) -> set[str]:
     """Parameters whose gradient is written (``AccumulateGrad``) by one of the records ``indices``."""
     sizes = param_numels(ctx)
-    owners = ctx.target.owners
     out: set[str] = set()
     for i in indices:
         r = ctx.records[i]
-        if r.node != "AccumulateGrad":
-            continue
-        n = int(r.stats.get("numel", -1))
-        out.update(p for p, o in owners.items() if o == r.module and sizes.get(p, n) == n)
+        if r.node == "AccumulateGrad":
+            out.update(accumulated_params(ctx, r, sizes))
     return out
+
+
+def accumulated_params(ctx: Context, r: OpRecord, sizes: dict[str, int]) -> list[str]:
+    """The parameters an ``AccumulateGrad`` record ``r`` may write: owned by its module, of its element count
+    (``sizes`` from :func:`param_numels`)."""
+    n = int(r.stats.get("numel", -1))
+    return [p for p, o in ctx.target.owners.items() if o == r.module and sizes.get(p, n) == n]
 
 
 def param_numels(ctx: Context) -> dict[str, int]:

@@ -22,6 +22,7 @@ from ampdoctor.findings._common import (
 from ampdoctor.findings._context import Context
 from ampdoctor.findings._fp8_casts import flush_candidates, without_fp8_casts
 from ampdoctor.findings._graph import (
+    accumulated_params,
     alias_closure,
     ancestors,
     dead_gradients,
@@ -108,11 +109,12 @@ def underflow(ctx: Context) -> list[Candidate]:
             ev["feeds_nonfinite"] = [ctx.describe(recs[i]) for i in feeds[:3]]
         if consts:
             ev["constants_below_floor"] = sorted(set(consts))
-        lost = _lost_gradients(ctx, r.step, set(dead)) if dead else {}
+        grads = _grad_absmax(ctx, r.step) if dead else {}
+        lost = {p: grads[p] for p in dead if p in grads}
         if lost:
             ev["ref_lost_gradient_absmax"] = max(lost.values())
         harmless = bool(dead) and len(lost) == len(dead) and all(
-            _negligible(ctx, r.step, p, g) for p, g in lost.items())
+            _negligible(ctx, p, g, grads) for p, g in lost.items())
         severity = "error" if (dead and not harmless) or feeds or loss_zero else "warning"
         expl = (f"{where(r)} returns exactly 0 for {frac:.1%} of the {int(nonzero)} values that are nonzero in fp32: "
                 f"the reference values reach only |max| {fmt(cmp['absmax'])} (smallest nonzero "
@@ -132,7 +134,7 @@ def underflow(ctx: Context) -> list[Candidate]:
 
 def _grad_absmax(ctx: Context, step: int) -> dict[str, float]:
     """Per parameter, the reference gradient's |max| in ``step`` (from the ``AccumulateGrad`` records), unscaled."""
-    sizes, owners = param_numels(ctx), ctx.target.owners
+    sizes = param_numels(ctx)
     ref_run = ctx.reference
     scale = ref_run.step_scales[step] if ref_run is not None and step < len(ref_run.step_scales) else 1.0
     out: dict[str, float] = {}
@@ -143,24 +145,16 @@ def _grad_absmax(ctx: Context, step: int) -> dict[str, float]:
         g = ref.stats.get("absmax") if ref is not None else None
         if g is None or not math.isfinite(g) or not scale:
             continue
-        n = int(r.stats.get("numel", -1))
-        for p, o in owners.items():
-            if o == r.module and sizes.get(p, n) == n:
-                out[p] = max(out.get(p, 0.0), g / scale)
+        for p in accumulated_params(ctx, r, sizes):
+            out[p] = max(out.get(p, 0.0), g / scale)
     return out
-
-
-def _lost_gradients(ctx: Context, step: int, dead: set[str]) -> dict[str, float]:
-    """The fp32 reference gradient |max| of each parameter whose gradient the target zeroes (where known)."""
-    grads = _grad_absmax(ctx, step)
-    return {p: grads[p] for p in dead if p in grads}
 
 
 def _param_absmax(ctx: Context, name: str) -> float | None:
     return next((r.stats.get("absmax") for r in ctx.records if r.kind == "param" and r.name == name), None)
 
 
-def _negligible(ctx: Context, step: int, name: str, g: float) -> bool:
+def _negligible(ctx: Context, name: str, g: float, grads: dict[str, float]) -> bool:
     """The lost gradient (fp32 |max| ``g``) would have moved nothing. With the optimizer's lr known: its update
     (``lr * g / (g + eps)`` for an Adam-type optimizer, the first step's ``m / (sqrt(v) + eps)``; ``lr * g``
     otherwise) is under half an fp32 ulp of the parameter's largest value, or under 2**-24 of the step's other
@@ -177,7 +171,6 @@ def _negligible(ctx: Context, step: int, name: str, g: float) -> bool:
             return True
         if adam:  # below fp32's resolution next to the step's other updates (about lr each): also at w = 0
             return g / (g + eps) <= 2.0**-24
-    grads = _grad_absmax(ctx, step)
     return bool(grads) and g <= 2.0**-24 * max(grads.values())
 
 
