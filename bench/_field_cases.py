@@ -475,3 +475,162 @@ def rotary_arange(bad: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     t = 1024 if bad else 200
     return {"model": RotaryAttention(), "batch": torch.randn(1, t, 16, generator=_gen(14)), "precision": "bf16"}
+
+
+# ------------------------------------------------------------------ CLIP: the learned logit_scale's exp in fp16
+def _clip(logit_scale: float) -> nn.Module:
+    from transformers import CLIPConfig, CLIPModel
+
+    cfg = CLIPConfig(text_config={"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+                                  "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 16,
+                                  "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1},
+                     vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                                    "num_attention_heads": 2, "image_size": 8, "patch_size": 4},
+                     projection_dim=8)
+    m = CLIPModel(cfg)
+    with torch.no_grad():
+        m.logit_scale.fill_(logit_scale)
+    return m
+
+
+@case("clip-logit-scale-exp-fp16", "https://github.com/openai/CLIP/pull/530 (Clamp logit_scale: unbounded, "
+      "self.logit_scale.exp() overflows -> inf/NaN logits and loss); kornia/kornia#3481 (SigLip2 logit_scale)",
+      ("overflow", "", "aten.exp.default", "forward"))
+def clip_logit_scale(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)  # a fine-tuned temperature that grew to 12 (exp = 1.6e5) vs CLIP's clamp ln(100) = 4.61
+    m = _clip(12.0 if bad else math.log(100.0))
+    g = _gen(15)
+    batch = {"input_ids": torch.randint(3, 64, (4, 6), generator=g),
+             "pixel_values": torch.randn(4, 3, 8, 8, generator=g), "return_loss": True}
+    return {"model": m, "batch": batch, "precision": "fp16"}
+
+
+# ------------------------------------------------------------------ one-pass variance E[x^2] - E[x]^2
+class DiffOfSquaresLayerNorm(nn.Module):
+    """A hand-fused LayerNorm: one pass for mean and mean of squares, ``var = E[x^2] - E[x]^2``."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(-1, keepdim=True)
+        var = (x * x).mean(-1, keepdim=True) - mean * mean
+        return (x - mean) * torch.rsqrt(var + 1e-5) * self.weight + self.bias
+
+
+class PreNormBlock(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, d)
+        self.norm = DiffOfSquaresLayerNorm(d)
+        self.ff = nn.Linear(d, d)
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.gelu(self.ff(self.norm(self.up(x)))))
+
+
+@case("diff-of-squares-layernorm-fp16-amp", "https://github.com/NVIDIA/trt-samples-for-hackathon-cn/issues/88 "
+      "(USE_DIFF_OF_SQUARES layer norm: Var[x] = E[x^2] - E[x]^2 goes negative -> rsqrt NaN / wrong output); "
+      "anthonymlortiz/lcn#4 (squares < sums^2/n in float16)",
+      ("precision-loss", "norm", "aten.sub.Tensor", "forward"))
+def diff_of_squares_ln(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    m = PreNormBlock()
+    with torch.no_grad():  # activations with a common offset ~60 and a spread ~0.6: E[x^2] ~ 3600, where fp16's
+        m.up.bias.fill_(60.0 if bad else 0.0)  # spacing is 2 -- the variance ~0.3 rounds to 0 (no NaN: eps)
+    return {"model": m, "batch": torch.randn(4, 16, generator=_gen(16)), "precision": "fp16-amp",
+            "loss_fn": mean_square}
+
+
+class DiffOfSquaresBatchNorm(nn.Module):
+    """A hand-written training-mode BatchNorm with per-channel ``E[x^2] - E[x]^2`` over (N, H, W)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(c))
+        self.bias = nn.Parameter(torch.zeros(c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean((0, 2, 3), keepdim=True)
+        var = (x * x).mean((0, 2, 3), keepdim=True) - mean * mean
+        y = (x - mean) * torch.rsqrt(var + 1e-5)
+        return y * self.weight[:, None, None] + self.bias[:, None, None]
+
+
+class BnConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = DiffOfSquaresBatchNorm(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+@case("diff-of-squares-batchnorm-bf16", "second family for the cancellation-noise fix: "
+      "https://github.com/tenstorrent/tt-metal/issues/45968 (batch_norm training: E[x^2] - E[x]^2 in bf16 for "
+      "per-channel mean ~5, std ~0.1 -> NaN / un-normalized output)",
+      ("precision-loss", "bn", "aten.sub.Tensor", "forward"))
+def diff_of_squares_bn(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    m = BnConvNet()
+    with torch.no_grad():  # per-channel mean +-5 with a spread ~0.1 (the report's magnitudes)
+        m.conv.weight.mul_(0.1)
+        m.conv.bias.copy_(torch.tensor([5.0, -5.0] * 4) if bad else torch.zeros(8))
+    return {"model": m, "batch": torch.randn(4, 3, 8, 8, generator=_gen(17)), "precision": "bf16",
+            "loss_fn": mean_square}
+
+
+# ------------------------------------------------------------------ EMA of the weights kept in bf16
+class Denoiser(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        self.out = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.silu(self.inp(x)))
+
+
+class WithEma(nn.Module):
+    """A model and its exponential moving average (diffusers' EMAModel / timm's ModelEma pattern)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Denoiser()
+        self.ema = Denoiser()
+        self.ema.load_state_dict(self.net.state_dict())
+        self.ema.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.to(self.net.inp.weight.dtype))
+
+
+def _ema_step(decay: float = 0.9999, lr: float = 0.5) -> Callable[[nn.Module, Any], torch.Tensor]:
+    def train_step(model: nn.Module, batch: Any) -> torch.Tensor:
+        loss = (model(batch).float() - batch.float()).pow(2).mean()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.net.parameters():
+                p.sub_(lr * p.grad)
+                p.grad = None
+            for e, p in zip(model.ema.parameters(), model.net.parameters(), strict=True):
+                e.sub_((1 - decay) * (e - p.to(e.dtype)))  # diffusers' EMAModel.step
+        return loss
+    return train_step
+
+
+@case("ema-weights-bf16", "https://github.com/d8ahazard/sd_dreambooth_extension/pull/1415 (Use float32 for EMA "
+      "model: in fp16/bf16 almost all EMA weight updates are rounded to 0, the EMA never changes)",
+      ("low-precision-params", "ema.out", "aten.sub_.Tensor", "optimizer"))
+def ema_bf16(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    m = WithEma().to(torch.bfloat16)
+    if not bad:
+        m.ema.float()  # the fix in the PR: the EMA copy stays float32 while the model trains in bf16
+    return {"model": m, "batch": torch.randn(16, 8, generator=_gen(18)), "precision": None,
+            "train_step": _ema_step(), "steps": 2}

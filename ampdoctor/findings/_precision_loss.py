@@ -65,11 +65,15 @@ def precision_loss(ctx: Context) -> list[Candidate]:
     from a flagged op inherits its error and is not flagged again; only the first step is
     compared (after an optimizer step the two runs hold different weights). Severity ``warning`` at a 5% own error
     or more; smaller own errors are ``info`` and reported only when the first step's loss (or output) deviates by
-    more than 1% and no inf/NaN explains it. At most five ops, the largest own errors. A NaN made from finite
-    inputs where the reference is finite (``sqrt`` of a variance that cancellation made negative) is an ``error``
-    reported at the cancelling op. When the target run raised and a finite low-precision input of the failing op
-    leaves the fp32 range (an index computed from a value that rounds up), the op that rounded it out is an
-    ``error`` (:mod:`ampdoctor.findings._crash`).
+    more than 1% and no inf/NaN explains it. At most five ops, the largest own errors. A cancelling op whose
+    operands' rounding ``|operand| * u`` is at least its true fp32 result (every significant bit cancels), with an
+    own error of 50% or more while the first step's loss (or output) deviates by 5% or more, is an ``error``: its
+    result is rounding noise that reaches what the user reads (``E[x**2] - E[x]**2`` rounding to 0, then
+    ``rsqrt(var + eps)`` multiplying the centred values by ``1 / sqrt(eps)``), with ``output_deviation``. A NaN
+    made from finite inputs where the reference is finite (``sqrt`` of a variance that cancellation made negative)
+    is an ``error`` reported at the cancelling op. When the target run raised and a finite low-precision input of
+    the failing op leaves the fp32 range (an index computed from a value that rounds up), the op that rounded it
+    out is an ``error`` (:mod:`ampdoctor.findings._crash`).
 
     Element-wise (:mod:`ampdoctor.findings._elementwise`): the trace keeps 64 values per step-0 output at fixed
     positions (the same in both runs), so every finding carries ``elementwise`` -- ``p50``/``p99``/``max`` of
@@ -178,24 +182,19 @@ def _lost_accuracy_findings(ctx: Context) -> list[Candidate]:
                    "reduction_length": k, "unit_roundoff": u, "norm": r.stats["norm"], "ref_norm": ref.stats["norm"],
                    "absmax": r.stats["absmax"], "ref_absmax": ref.stats["absmax"]})
         ins = [ctx.records[i] for i in r.inputs if i >= 0]
-        in_max = max((x.stats.get("absmax", 0.0) for x in ins), default=0.0)
         sub_in = sum(int(x.stats.get("n_subnormal", 0)) for x in ins)
         if sub_in:
             ev["subnormal_inputs"] = sub_in
-        cancelling = op_base(r.op) in CANCEL_OPS and in_max > 0 and ref.stats["absmax"] > 0 and (
-            in_max / ref.stats["absmax"] > 1 / (16 * u))
-        if cancelling:
-            ev["operand_absmax"] = in_max
-            ev["digits_cancelled"] = math.log2(in_max / ref.stats["absmax"])
         expl = (f"{where(r)} deviates from the fp32 reference by {own:.2%} beyond the {inh:.2%} its inputs carried "
                 f"(norm {fmt(r.stats['norm'])} vs {fmt(ref.stats['norm'])}, |max| {fmt(r.stats['absmax'])} vs "
                 f"{fmt(ref.stats['absmax'])}); rounding to {dt} explains about sqrt(K) * u = "
                 f"{math.sqrt(k) * u:.2g} (K = {k}, u = {fmt(u)}; flagged above {tol:.2g}).")
-        if cancelling:
-            expl += (f" Catastrophic cancellation: operands of |max| {fmt(in_max)} give a result of |max| "
-                     f"{fmt(ref.stats['absmax'])}, so ~{ev['digits_cancelled']:.0f} of the leading bits cancel and "
-                     f"{dt}'s rounding of the operands dominates the result.")
-        expl += _elementwise_text(ctx, r)
+        cancel_ev, cancel_txt, noise = _cancellation(ctx, r, own, deviation)
+        cancelling = bool(cancel_ev)
+        ev.update(cancel_ev)
+        expl += cancel_txt + _elementwise_text(ctx, r)
+        if noise:
+            severity = "error"
         amp_ev, amp_txt = _amplification(ctx, r, inh)
         ev.update(amp_ev)
         expl += amp_txt
@@ -205,9 +204,37 @@ def _lost_accuracy_findings(ctx: Context) -> list[Candidate]:
                                                   if r.phase == "backward" else "."))
         out.append(Candidate(Finding(
             "precision-loss", severity, r.module, r.op, r.phase,
-            f"{op_base(r.op)} loses {own:.1%} accuracy in {dt} in {r.module or '<root>'}", expl, ev,
+            (f"catastrophic cancellation in {r.module or '<root>'}: {op_base(r.op)} returns rounding noise in {dt}"
+             if noise else f"{op_base(r.op)} loses {own:.1%} accuracy in {dt} in {r.module or '<root>'}"), expl, ev,
             _fixes(r, bool(sub_in), bool(cancelling)), r.step), r.index))
     return out
+
+
+def _cancellation(ctx: Context, r: OpRecord, own: float, deviation: float | None) -> tuple[dict[str, float], str, bool]:
+    """Evidence and text when ``r`` subtracts operands far larger than its true result, and whether the result is
+    rounding noise that reaches the output (an error): the operands' rounding ``|operand| * u`` is at least the
+    fp32 result, the op's own error is >= 50%, and the first step's loss (or output) deviates by >= 5%."""
+    ref = ctx.ref(r)
+    in_max = max((ctx.records[i].stats.get("absmax", 0.0) for i in r.inputs if i >= 0), default=0.0)
+    if ref is None or op_base(r.op) not in CANCEL_OPS or in_max <= 0 or ref.stats["absmax"] <= 0:
+        return {}, "", False
+    u, true_max = unit_roundoff(r.dtype), ref.stats["absmax"]
+    if in_max / true_max <= 1 / (16 * u):
+        return {}, "", False
+    dt = dtype_name(r.dtype)
+    ev = {"operand_absmax": in_max, "digits_cancelled": math.log2(in_max / true_max)}
+    txt = (f" Catastrophic cancellation: operands of |max| {fmt(in_max)} give a result of |max| {fmt(true_max)}, "
+           f"so ~{ev['digits_cancelled']:.0f} of the leading bits cancel and {dt}'s rounding of the operands "
+           "dominates the result.")
+    dev = deviation if deviation is not None else 0.0  # None: a non-finite loss, explained by the inf/NaN rules
+    noise = in_max * u >= true_max and own >= 0.5 and dev >= WARN_REL
+    if noise:
+        ev["output_deviation"] = dev
+        txt += (f" The operands' rounding ({fmt(in_max * u)}) is as large as the true result: what the op returns "
+                f"is rounding noise (a variance E[x^2] - E[x]^2 can come out 0 or negative), and the step's "
+                f"{'loss' if ctx.target.losses and ctx.target.losses[0] is not None else 'output'} deviates from "
+                f"fp32 by {dev:.1%}.")
+    return ev, txt, noise
 
 
 def _fixes(r: OpRecord, subnormal_inputs: bool, cancelling: bool) -> tuple[FixProposal, ...]:

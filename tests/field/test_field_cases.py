@@ -177,3 +177,53 @@ def test_rotary_arange_numbers() -> None:
     assert ev["integers_exact_up_to"] == 256 and ev["ref_absmax"] == 1023  # arange(1024)
     assert all(torch.tensor(x["reference"]).bfloat16().item() == x["target"] for x in ev["examples"])
     assert "lossy_op" in ev and ev["lossy_op"]["op"] in ("aten.cos.default", "aten.sin.default")
+
+
+def test_clip_logit_scale_numbers() -> None:
+    spec, report = _diagnose("clip-logit-scale-exp-fp16", True)
+    ev = report.findings[0].evidence
+    scale = spec["model"].logit_scale.item()
+    assert ev["ref_absmax"] == pytest.approx(math.exp(scale), rel=1e-3) and math.exp(scale) > 65504
+    assert torch.tensor(scale).half().exp().isinf().item()  # exp(12) in fp16; CLIP's clamp ln(100) gives 100
+    healthy, _ = _diagnose("clip-logit-scale-exp-fp16", False)
+    assert math.exp(healthy["model"].logit_scale.item()) == pytest.approx(100.0)
+
+
+def _one_pass_var(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    return (x * x).mean(dims, keepdim=True) - x.mean(dims, keepdim=True) ** 2
+
+
+@pytest.mark.parametrize("name,module,dims,dtype", [
+    ("diff-of-squares-layernorm-fp16-amp", "norm", (-1,), torch.float16),
+    ("diff-of-squares-batchnorm-bf16", "bn", (0, 2, 3), torch.bfloat16),
+])
+def test_diff_of_squares_numbers(name: str, module: str, dims: tuple[int, ...], dtype: torch.dtype) -> None:
+    spec, report = _diagnose(name, True)
+    ev = report.findings[0].evidence
+    x = _fp32_forward(spec, getattr(spec["model"], module), lambda a, o: a[0])
+    var32 = _one_pass_var(x, dims)
+    var_low = _one_pass_var(x.to(dtype), dims).float()  # the same formula on the rounded activations
+    u = 2.0**-11 if dtype == torch.float16 else 2.0**-8
+    assert ev["ref_absmax"] == pytest.approx(var32.abs().max().item(), rel=1e-2)  # the true variance
+    assert ev["operand_absmax"] == pytest.approx((x * x).mean(dims).max().item(), rel=1e-2)  # E[x^2]
+    assert ev["operand_absmax"] * u >= ev["ref_absmax"] and ev["unit_roundoff"] == u  # every bit cancels
+    assert ((var_low - var32).abs() / var32).max().item() >= 0.5  # ground truth: some variance is noise
+    assert ev["own_error"] >= 0.5 and ev["output_deviation"] >= 0.05
+    assert "rounding noise" in report.findings[0].explanation
+
+
+def test_ema_bf16_numbers() -> None:
+    spec, report = _diagnose("ema-weights-bf16", True)
+    f = report.findings[0]
+    assert f.evidence["fraction_lost"] == 1.0 and f.evidence["fraction_lost_fp32"] == 0.0
+    m, name = spec["model"], f.evidence["parameter"]
+    assert name.startswith("ema.")
+    e, p = m.get_parameter(name), m.get_parameter("net." + name[4:])
+    e0, w0 = e.detach().clone(), p.detach().clone()
+    spec["train_step"](m, spec["batch"])  # one step as the case runs it (on the case's own copy)
+    step = 1e-4 * (e0.float() - p.detach().float())  # the exact EMA update
+    assert not torch.equal(p.detach(), w0)  # the net itself moves in bf16
+    assert torch.equal(e.detach(), e0) and (step != 0).any()  # the EMA does not
+    e = e0
+    assert torch.equal((e.float() - step).bfloat16(), e) and (step != 0).any()  # the EMA step rounds away
+    assert any(x.snippet and "float()" in x.snippet for x in f.fixes)
