@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from ampdoctor.precision import (
     spec_from_module,
 )
 from ampdoctor.precision.headroom import Headroom, headroom_from_run, headroom_spec, shares_reference
+from ampdoctor.precision.triage import Triage, guard_step, reference_reasons, spec_reasons
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +138,55 @@ def headroom_and_diagnose(spec: StepSpec, *, policy: str = "cuda", progress: Any
         reference = run(spec, reference=True, policy=policy, headroom=True)
     return headroom_from_run(spec, reference), diagnose_spec(spec, policy=policy, progress=progress,
                                                              reference=reference)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """What ``ampdoctor check`` ran: the float32 headroom, the diagnosis (``None`` when the quick pass found no
+    mechanism that it could judge) and why (:class:`~ampdoctor.precision.triage.Triage`)."""
+
+    headroom: Headroom
+    report: Report | None
+    triage: Triage
+
+    @property
+    def ok(self) -> bool:
+        """No error finding (a quick pass that found nothing to diagnose is ok)."""
+        return self.report is None or self.report.ok
+
+
+def headroom_and_check(spec: StepSpec, *, policy: str = "cuda", progress: Any = None,
+                       full: bool = False) -> CheckResult:
+    """``ampdoctor check`` in two tiers: the float32 headroom run, then the full diagnosis only where a mechanism
+    it judges can apply (:mod:`ampdoctor.precision.triage`: the spec, the float32 run's ranges, constants and
+    coverage, then one target step under the cheap trace tier). ``full=True`` always diagnoses. The float32 run
+    is the diagnosis's reference when it runs (:func:`~ampdoctor.precision.headroom.shares_reference`)."""
+    def phase(name: str) -> None:
+        log.info("check: %s", name)
+        if progress is not None:
+            progress(name)
+
+    if not shares_reference(spec):
+        why = tuple(spec_reasons(spec)) or ("the headroom run cannot double as the diagnosis's reference",)
+        h, report = headroom_and_diagnose(spec, policy=policy, progress=progress)
+        return CheckResult(h, report, Triage(spec.precision, why))
+    phase("headroom")
+    with saved_rng():
+        reference = run(spec, reference=True, policy=policy, headroom=True)
+    h = headroom_from_run(spec, reference)
+    reasons = ["the full diagnosis was asked for"] if full else spec_reasons(spec)
+    if not reasons:
+        reasons = reference_reasons(reference, str(spec.precision))
+    info: dict[str, Any] = {}
+    if not reasons:
+        phase("guard")
+        reasons, info = guard_step(spec, reference, policy=policy)
+    triage = Triage(spec.precision, tuple(reasons), info)
+    if not triage.full:
+        phase("done")
+        return CheckResult(h, None, triage)
+    log.info("check: full diagnosis: %s", "; ".join(reasons))
+    return CheckResult(h, diagnose_spec(spec, policy=policy, progress=progress, reference=reference), triage)
 
 
 def _raise_unexplained_crash(spec: StepSpec, target: RunResult, findings: list[Finding]) -> None:

@@ -94,12 +94,15 @@ CHECK_FORMATS = {"fp16": ("fp16", False), "bf16": ("bf16", False), "fp16-amp": (
               help="the precision to gate (default: the scenario's own; 'as-given' runs the step as written)")
 @click.option("--policy", type=click.Choice(["cuda", "native"]), default="cuda", show_default=True,
               help=POLICY_HELP)
-def check(file: str | None, hf: str | None, precision: str | None, policy: str) -> None:
+@click.option("--full", is_flag=True, default=False,
+              help="always run the full diagnosis (by default fp16-amp/bf16-amp runs it only where the fp32 range "
+                   "pass or a cheaply traced target step shows something it could judge)")
+def check(file: str | None, hf: str | None, precision: str | None, policy: str, full: bool) -> None:
     """CI gate: exit 1 when the model is predicted unsafe in PRECISION or its run there fails, 2 when the
     scenario cannot be run (raises, exits, gives no result), else 0."""
     from dataclasses import replace
 
-    from ampdoctor.diagnose import diagnose_spec, headroom_and_diagnose
+    from ampdoctor.diagnose import diagnose_spec, headroom_and_check
 
     with user_code():
         spec = _spec_for(file, hf)
@@ -107,9 +110,10 @@ def check(file: str | None, hf: str | None, precision: str | None, policy: str) 
             spec = replace(spec, precision=None if precision == "as-given" else precision)
         fmt, amp = CHECK_FORMATS.get(spec.precision or "", (None, False))
         with PhaseProgress(headroom=fmt is not None) as progress:
-            h = None
-            if fmt is not None:  # one fp32 run serves headroom and the diagnosis's reference where it can
-                h, report = headroom_and_diagnose(spec, policy=policy, progress=progress)
+            h, res = None, None
+            if fmt is not None:  # the fp32 run gives headroom, decides the full diagnosis and is its reference
+                res = headroom_and_check(spec, policy=policy, progress=progress, full=full)
+                h, report = res.headroom, res.report
             else:
                 report = diagnose_spec(spec, policy=policy, progress=progress)
     name = spec.precision or "as-given"
@@ -119,13 +123,18 @@ def check(file: str | None, hf: str | None, precision: str | None, policy: str) 
     if h is None:
         print_literal(console, f"note: no range prediction for {name} (only fp16/bf16 and their autocasts); "
                                "judging the run")
-    if bad or not report.ok:
-        root = report.findings[0] if report.findings else None
+    if res is not None and res.triage.full:
+        print_literal(console, "full diagnosis ran: " + "; ".join(res.triage.reasons))
+    if bad or (report is not None and not report.ok):
+        root = report.findings[0] if report is not None and report.findings else None
         run_txt = f"{root.code} at {root.module or '<root>'}" if root is not None else "ok"
         pred = f"predicted overflow in {names(bad)}; " if h is not None else ""
         print_literal(console, f"UNSAFE in {name}: {pred}run: {run_txt}")
         sys.exit(1)
+    if report is None:
+        print_literal(console, f"SAFE in {name}: every module keeps range headroom, no mechanism the full diagnosis "
+                               f"judges applies, and a quick {name} step matches float32 (quick check; --full "
+                               "diagnoses anyway)")
+        return
     print_literal(console, f"SAFE in {name}: " + ("every module keeps range headroom and " if h is not None else "")
                   + f"the {name} run is ok")
-
-

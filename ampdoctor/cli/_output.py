@@ -56,15 +56,17 @@ def emit(report: ampdoctor.Report, json_out: str | None, html_out: str | None, q
 class PhaseProgress:
     """A rich progress bar over the diagnosis phases, drawn on stderr only when it is a terminal.
 
-    ``headroom=True`` adds the headroom run (``check``); ``only_headroom=True`` is the ``headroom`` command's one
+    ``headroom=True`` adds the headroom run and the quick target step (``check``; a quick check that needs no full
+    diagnosis jumps from there to done); ``only_headroom=True`` is the ``headroom`` command's one
     fp32 traced run. The returned callable takes a phase name (``diagnose(progress=...)``'s protocol)."""
 
-    LABELS = {"headroom": "fp32 headroom run", "reference": "fp32 reference run", "target": "target-precision run",
+    LABELS = {"headroom": "fp32 headroom run", "guard": "quick target-precision step (cheap trace)",
+              "reference": "fp32 reference run", "target": "target-precision run (full diagnosis)",
               "analysis": "analysis"}
 
     def __init__(self, *, headroom: bool = False, only_headroom: bool = False) -> None:
         run = ("reference", "target", "analysis")
-        self.phases = ("headroom",) if only_headroom else (("headroom",) if headroom else ()) + run
+        self.phases = ("headroom",) if only_headroom else (("headroom", "guard") if headroom else ()) + run
         self.phases += ("done",)
 
     def __enter__(self) -> Any:

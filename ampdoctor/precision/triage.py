@@ -1,0 +1,243 @@
+"""``check``'s two tiers: when the float32 range pass and one cheaply observed target step are enough.
+
+``ampdoctor check`` gates a model on one verdict: is there an error finding in ``spec.precision``? The full diagnosis
+(fp32 reference and target, both full-tier traces, then every rule) answers it at ~15x a plain step. This module
+decides, from mechanisms, whether that diagnosis can find anything that changes the verdict:
+
+1. :func:`spec_reasons` -- what neither pass can stand for: a pure ``fp16``/``bf16`` run (every parameter, buffer,
+   the batch and the optimizer state cast to 16 bits: lost updates, setup casts, 16-bit state), more than one step,
+   an enabled ``GradScaler``, a user ``train_step``, transforms, 16-bit state already in the model or the optimizer,
+   a distributed process group (every rank must run the same collectives), declared fp32 modules.
+2. :func:`reference_reasons` -- from the float32 run (the headroom run, which is also the diagnosis's reference):
+   a crash or a non-finite loss; any value that is inf/NaN or at float32's max in float32 (masks, sentinels,
+   ``finfo(float32).min``); a forward/backward value within one bit of the format's max (overflow, also one a
+   clamp catches); an op whose nonzero values flush to 0 in the format for more than a quarter (underflow); a
+   bounded op (tanh, sigmoid, softmax) whose largest output rounds to its bound (saturation); a literal or scalar
+   argument that is 0, ±1 or inf in the format but not in float32 (constant-out-of-range); a floating tensor made
+   from no floating input (positions, ids cast to float) beyond the integers the format holds exactly; trainable
+   parameters with no gradient or outside the optimizer.
+3. :func:`guard_step` -- the target step itself, on copies, under the cheap trace tier (one ``aminmax`` per op):
+   it raised (a dtype mismatch under autocast, a literal that does not fit); any op output inf/NaN (also one
+   absorbed downstream); the loss (or output |max|) off by more than 1% from float32; a parameter whose gradient
+   is exactly zero in the target and not in float32.
+
+Any reason runs the full diagnosis; none means the quick pass is the answer (the report says which). Warnings
+and infos the full diagnosis would add (precision-loss measures, decision changes) do not gate ``check``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ampdoctor.precision._runner import RunResult
+from ampdoctor.precision._spec import StepSpec
+from ampdoctor.precision._step import Observer, StepLoop, prepare, saved_rng
+from ampdoctor.trace import HALF_DTYPES, Trace, dtype_limits, op_base, op_info, unit_roundoff
+
+#: the precisions the quick pass can judge, and their low dtype (autocast keeps fp32 parameters and state)
+QUICK: dict[str, torch.dtype] = {"fp16-amp": torch.float16, "bf16-amp": torch.bfloat16}
+#: a value this many bits below the format's max is still safe after the target's rounding (2x: one bit)
+MARGIN_BITS = 1.0
+#: share of an op's nonzero values flushed to 0 that triggers the diagnosis (the underflow rule reports > 1/2)
+FLUSH_SHARE = 0.25
+#: relative loss (or output |max|) deviation of the target from float32 that triggers the diagnosis
+LOSS_REL = 0.01
+#: at most this many reasons are kept (the first ones, in the order above)
+MAX_REASONS = 8
+
+
+@dataclass(frozen=True)
+class Triage:
+    """Why ``check`` ran the full diagnosis (``reasons``), or what the quick pass measured when it did not."""
+
+    precision: str | None
+    reasons: tuple[str, ...]
+    #: the guard step's numbers (``loss``, ``reference_loss``, ``ops``): empty when it did not run
+    guard: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def full(self) -> bool:
+        return bool(self.reasons)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"precision": self.precision, "full_diagnosis": self.full, "reasons": list(self.reasons),
+                "guard": self.guard}
+
+
+def spec_reasons(spec: StepSpec) -> list[str]:
+    """What the quick pass cannot stand for, from the spec alone (before anything runs)."""
+    out: list[str] = []
+    if spec.precision not in QUICK:
+        out.append(f"{spec.precision or 'as-given'} is judged by its full run only (the quick pass covers "
+                   f"{', '.join(QUICK)}: autocast keeps float32 parameters and optimizer state)")
+    if spec.steps != 1:
+        out.append(f"{spec.steps} steps: the range pass sees the first step only")
+    if spec.scaler is not None and spec.scaler.is_enabled():
+        out.append("an enabled GradScaler: scaled gradients and skipped steps are judged by the full run")
+    if spec.train_step is not None:
+        out.append("a user train_step: its own code (clipping, scaling, updates) is judged by the full run")
+    if spec.transforms:
+        out.append("transforms (a fix being verified)")
+    low = sorted({str(t.dtype).replace("torch.", "") for t in _state(spec) if t.dtype in HALF_DTYPES})
+    if low:
+        out.append(f"the model or optimizer already holds {'/'.join(low)} state (lost updates, 16-bit parameters)")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        out.append("a torch.distributed process group: every rank runs the same diagnosis")
+    inner = getattr(spec.model, "module", spec.model)
+    if getattr(inner, "_keep_in_fp32_modules", None) or getattr(inner, "_keep_in_fp32_modules_strict", None):
+        out.append("the model declares modules to keep in float32 (must-stay-fp32)")
+    return out
+
+
+def _state(spec: StepSpec) -> list[torch.Tensor]:
+    ts = [t for t in list(spec.model.parameters()) + list(spec.model.buffers()) if t.is_floating_point()]
+    if spec.optimizer is not None:
+        ts += [v for st in spec.optimizer.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    return ts
+
+
+def reference_reasons(ref: RunResult, precision: str) -> list[str]:
+    """What the float32 run (full tier, headroom flush counts) shows the target may get wrong."""
+    dtype = QUICK[precision]
+    fmt = "fp16" if dtype == torch.float16 else "bf16"
+    fmax = dtype_limits(dtype)[0]
+    f32max = dtype_limits(torch.float32)[0]
+    exact = 1.0 / unit_roundoff(dtype)  # the largest integer below which every integer is exact: 2048, 256
+    out: list[str] = []
+    if ref.exc is not None:
+        out.append(f"the float32 run raised {type(ref.exc).__name__}")
+    if any(loss is not None and not math.isfinite(loss) for loss in ref.losses):
+        out.append("the float32 loss is not finite")
+    for r in ref.trace.records:
+        s = r.stats
+        if not s or r.kind == "alloc":
+            continue
+        where = f"{r.op or r.kind} in {r.module or '<root>'} ({r.phase})"
+        if s.get("n_nan", 0) or s.get("n_posinf", 0) or s.get("n_neginf", 0) or s.get("n_at_max", 0) \
+                or s.get("absmax", 0.0) >= f32max:
+            out.append(f"{where} holds inf/NaN or float32's max already in float32 (a mask or sentinel)")
+        elif r.phase in ("forward", "backward"):
+            out += _range_reasons(r, s, fmt, dtype, fmax, exact, where)
+        out = list(dict.fromkeys(out))  # the same op in the same module (views of one value) once
+        if len(out) >= MAX_REASONS:
+            break
+    cov = ref.coverage[0] if ref.coverage and not ref.forward_only else []
+    unused = [p.name for p in cov if p.grad_none or not p.in_optimizer]
+    if unused:
+        out.append(f"{len(unused)} trainable parameter(s) get no gradient or no optimizer step ({unused[0]}, ...)")
+    return out[:MAX_REASONS]
+
+
+def _range_reasons(r: Any, s: dict[str, float], fmt: str, dtype: torch.dtype, fmax: float, exact: float,
+                   where: str) -> list[str]:
+    """One forward/backward record of the float32 run: overflow, flush, saturation, literals, integers."""
+    out = []
+    absmax = s.get("absmax", 0.0)
+    if absmax > fmax / 2 ** MARGIN_BITS:
+        out.append(f"{where}: |max| {absmax:.4g} within {MARGIN_BITS:g} bit of {fmt}'s max {fmax:.4g}")
+    nonzero = s.get("numel", 0.0) - s.get("n_zero", 0.0)
+    flushed = s.get(f"flush_{fmt}", 0.0)
+    if nonzero > 0 and flushed / nonzero > FLUSH_SHARE:
+        out.append(f"{where}: {flushed / nonzero:.0%} of its nonzero values flush to 0 in {fmt}")
+    info = op_info(op_base(r.op)) if r.op else None
+    if info is not None and info.bound is not None and absmax > 0 and _round(absmax, dtype) >= 1.0:
+        out.append(f"{where}: its largest output {absmax:.6g} rounds to the bound 1 in {fmt} (saturation)")
+    for v in tuple(r.scalars) + tuple(v for _, v in r.literals):
+        if _changes_class(v, dtype):
+            out.append(f"{where}: the constant {v:g} is {_round(v, dtype):g} in {fmt}")
+            break
+    if r.kind in ("op", "batch", "input") and not r.inputs and absmax > exact:
+        out.append(f"{where}: made from no floating input (positions, ids) with |max| {absmax:.4g} above "
+                   f"{exact:g}, the largest integer {fmt} holds exactly")
+    return out
+
+
+def _round(v: float, dtype: torch.dtype) -> float:
+    return float(torch.tensor(v, dtype=torch.float64).to(dtype))
+
+
+def _changes_class(v: float, dtype: torch.dtype) -> bool:
+    """A finite number that is 0, ±1 or inf in ``dtype`` without being so in float32."""
+    if not math.isfinite(v) or v == 0:
+        return False
+    r = _round(v, dtype)
+    return r == 0 or math.isinf(r) or (abs(r) == 1.0 and abs(v) != 1.0)
+
+
+class _Guard(Observer):
+    """The cheap trace tier around the target step, plus which parameters get an all-zero gradient."""
+
+    def __init__(self, prep: Any) -> None:
+        self.tr = Trace(prep.model, prep.optimizer, full=False)
+        self.model = prep.model
+        self.zero: list[tuple[str, Any]] = []
+
+    def context(self, loop: StepLoop) -> Any:
+        return self.tr
+
+    def step_start(self, loop: StepLoop, step: int) -> None:
+        self.tr.set_step(step)
+
+    def forward_done(self, loop: StepLoop, step: int, output: Any, loss: Any) -> None:
+        self.tr.mark("output", output)
+
+    def grads_ready(self, loop: StepLoop, step: int) -> None:
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                self.zero.append((name, None if p.grad is None else torch.count_nonzero(p.grad) == 0))
+
+
+def guard_step(spec: StepSpec, ref: RunResult, *, policy: str = "cuda") -> tuple[list[str], dict[str, Any]]:
+    """Run ``spec``'s target step once under the cheap trace tier (on copies) and compare it with ``ref``."""
+    with saved_rng():
+        prep = prepare(spec, reference=False)
+        guard = _Guard(prep)
+        done = StepLoop(spec, prep, policy=policy, observers=(guard,)).run(1)
+    res = guard.tr.result()
+    out: list[str] = []
+    if done.exc is not None:
+        out.append(f"the {spec.precision} step raised {type(done.exc).__name__}: {str(done.exc)[:200]}")
+    for r in res.records:
+        lo, hi = r.stats.get("min", 0.0), r.stats.get("max", 0.0)
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            out.append(f"{r.op} in {r.module or '<root>'} ({r.phase}) made inf/NaN in the {spec.precision} step")
+            break
+    loss = done.losses[0] if done.losses else None
+    ref_loss = ref.losses[0] if ref.losses else None
+    if loss is not None and ref_loss is not None and _rel(loss, ref_loss) > LOSS_REL:
+        out.append(f"the {spec.precision} loss {loss:.6g} is {_rel(loss, ref_loss):.1%} off float32's {ref_loss:.6g}")
+    t_out = _output_absmax(res.records, res.marks.get("output", []), "min", "max")
+    r_out = _output_absmax(ref.trace.records, ref.output_records, "absmax", "absmax")
+    if loss is None and t_out is not None and r_out is not None and _rel(t_out, r_out) > LOSS_REL:
+        out.append(f"the {spec.precision} output |max| {t_out:.6g} is {_rel(t_out, r_out):.1%} off float32's")
+    out += _zeroed(guard.zero, ref)
+    return out, {"loss": loss, "reference_loss": ref_loss, "ops": len(res.records)}
+
+
+def _rel(a: float, b: float) -> float:
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def _output_absmax(records: list[Any], idx: list[int], lo: str, hi: str) -> float | None:
+    vals = [max(abs(records[i].stats.get(lo, 0.0)), abs(records[i].stats.get(hi, 0.0))) for i in idx
+            if 0 <= i < len(records) and records[i].stats]
+    return max(vals) if vals else None
+
+
+def _zeroed(zero: list[tuple[str, Any]], ref: RunResult) -> list[str]:
+    """Parameters whose gradient is None or all zero in the target where float32's is not (one host read)."""
+    ref_zero = {p.name: p.grad_zero for p in (ref.coverage[0] if ref.coverage else [])}
+    known = [(n, z) for n, z in zero if z is not None]
+    flags = dict(zip([n for n, _ in known], torch.stack([z for _, z in known]).tolist() if known else []))
+    bad = [n for n, z in zero if (z is None or flags.get(n)) and n in ref_zero
+           and ref_zero[n] is not None and ref_zero[n] < 1.0]
+    if not bad:
+        return []
+    return [f"{len(bad)} parameter(s) get an all-zero or no gradient in the target but not in float32 ({bad[0]}, ...)"]
