@@ -7,19 +7,24 @@ decides, from mechanisms, whether that diagnosis can find anything that changes 
 1. :func:`spec_reasons` -- what neither pass can stand for: a pure ``fp16``/``bf16`` run (every parameter, buffer,
    the batch and the optimizer state cast to 16 bits: lost updates, setup casts, 16-bit state), more than one step,
    an enabled ``GradScaler``, a user ``train_step``, transforms, 16-bit state already in the model or the optimizer,
-   a distributed process group (every rank must run the same collectives), declared fp32 modules.
+   a distributed process group (every rank must run the same collectives), modules declared fp32 for the
+   format (``_keep_in_fp32_modules`` for fp16, ``_keep_in_fp32_modules_strict`` for both).
 2. :func:`reference_reasons` -- from the float32 run (the headroom run, which is also the diagnosis's reference):
-   a crash or a non-finite loss; any value that is inf/NaN or at float32's max in float32 (masks, sentinels,
-   ``finfo(float32).min``); a forward/backward value within one bit of the format's max (overflow, also one a
-   clamp catches); an op whose nonzero values flush to 0 in the format for more than a quarter (underflow); a
-   bounded op (tanh, sigmoid, softmax) whose largest output rounds to its bound (saturation); a literal or scalar
-   argument that is 0, ±1 or inf in the format but not in float32 (constant-out-of-range); a floating tensor made
-   from no floating input (positions, ids cast to float) beyond the integers the format holds exactly; trainable
+   a crash or a non-finite loss; NaN or float32's max in float32 (sentinels such as ``finfo(float32).min``, masked
+   rows), an inf in float32 that reaches the backward, the optimizer or a forward-only output (a forward inf that
+   is absorbed, T5's ``log(0)`` of its position buckets, is left to the guard step's comparison); a forward/backward
+   finite value within one bit of the format's max (overflow, also one a clamp catches); an op whose nonzero values
+   flush to 0 in the format for more than a quarter (underflow); a literal or scalar
+   argument that is 0 or ±1 in the format but not in float32 (constant-out-of-range); integers (every sampled
+   element, as the integer-values rule reads them) or a tensor made from no floating input (positions, ids cast to
+   float) beyond the integers the format holds exactly; trainable
    parameters with no gradient or outside the optimizer.
 3. :func:`guard_step` -- the target step itself, on copies, under the cheap trace tier (one ``aminmax`` per op):
    it raised (a dtype mismatch under autocast, a literal that does not fit); any op output inf/NaN (also one
-   absorbed downstream); the loss (or output |max|) off by more than 1% from float32; a parameter whose gradient
-   is exactly zero in the target and not in float32.
+   absorbed downstream) of a kind (NaN, +inf, -inf) that its float32 twin (same phase, module, op and occurrence)
+   does not hold; the loss (or output |max|) off by more than 1% from float32; a parameter whose gradient
+   is exactly zero in the target and not in float32 (the saturation rule's error: dead gradients; its other
+   error, a pole turning the bound into inf, is an inf the guard sees).
 
 Any reason runs the full diagnosis; none means the quick pass is the answer (the report says which). Warnings
 and infos the full diagnosis would add (precision-loss measures, decision changes) do not gate ``check``.
@@ -36,7 +41,7 @@ import torch
 from ampdoctor.precision._runner import RunResult
 from ampdoctor.precision._spec import StepSpec
 from ampdoctor.precision._step import Observer, StepLoop, prepare, saved_rng
-from ampdoctor.trace import HALF_DTYPES, Trace, dtype_limits, op_base, op_info, unit_roundoff
+from ampdoctor.trace import HALF_DTYPES, Trace, dtype_limits, op_base, unit_roundoff
 
 #: the precisions the quick pass can judge, and their low dtype (autocast keeps fp32 parameters and state)
 QUICK: dict[str, torch.dtype] = {"fp16-amp": torch.float16, "bf16-amp": torch.bfloat16}
@@ -88,8 +93,11 @@ def spec_reasons(spec: StepSpec) -> list[str]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         out.append("a torch.distributed process group: every rank runs the same diagnosis")
     inner = getattr(spec.model, "module", spec.model)
-    if getattr(inner, "_keep_in_fp32_modules", None) or getattr(inner, "_keep_in_fp32_modules_strict", None):
-        out.append("the model declares modules to keep in float32 (must-stay-fp32)")
+    declared = getattr(inner, "_keep_in_fp32_modules_strict", None) or (
+        QUICK.get(spec.precision or "") == torch.float16 and getattr(inner, "_keep_in_fp32_modules", None))
+    if declared:  # as transformers: the plain list guards fp16 only, the strict one bf16 too
+        out.append(f"the model declares modules to keep in float32 for {spec.precision} ({', '.join(declared)}): "
+                   "must-stay-fp32 turns a precision loss there into an error")
     return out
 
 
@@ -113,16 +121,23 @@ def reference_reasons(ref: RunResult, precision: str) -> list[str]:
         out.append(f"the float32 run raised {type(ref.exc).__name__}")
     if any(loss is not None and not math.isfinite(loss) for loss in ref.losses):
         out.append("the float32 loss is not finite")
+    outputs = set(ref.output_records) if ref.forward_only else set()
     for r in ref.trace.records:
         s = r.stats
         if not s or r.kind == "alloc":
             continue
         where = f"{r.op or r.kind} in {r.module or '<root>'} ({r.phase})"
-        if s.get("n_nan", 0) or s.get("n_posinf", 0) or s.get("n_neginf", 0) or s.get("n_at_max", 0) \
-                or s.get("absmax", 0.0) >= f32max:
-            out.append(f"{where} holds inf/NaN or float32's max already in float32 (a mask or sentinel)")
-        elif r.phase in ("forward", "backward"):
-            out += _range_reasons(r, s, fmt, dtype, fmax, exact, where)
+        sentinel = bool(s.get("n_at_max", 0)) or s.get("absmax", 0.0) >= f32max
+        if s.get("n_nan", 0):
+            out.append(f"{where} holds NaN already in float32")
+        elif (sentinel or s.get("n_posinf", 0) or s.get("n_neginf", 0)) and (
+                r.phase != "forward" or r.index in outputs):
+            out.append(f"{where} holds inf or float32's max already in float32, and it reaches a gradient, update or "
+                       "output")
+        if r.phase in ("forward", "backward"):
+            # a forward inf or float32-max sentinel (T5's log(0) buckets, its finfo(float32).min mask) is the guard
+            # step's to compare: it matters where the target computes it in the low dtype (inf there, or a raise)
+            out += _range_reasons(r, s, fmt, dtype, fmax, exact, where, sentinel)
         out = list(dict.fromkeys(out))  # the same op in the same module (views of one value) once
         if len(out) >= MAX_REASONS:
             break
@@ -134,27 +149,32 @@ def reference_reasons(ref: RunResult, precision: str) -> list[str]:
 
 
 def _range_reasons(r: Any, s: dict[str, float], fmt: str, dtype: torch.dtype, fmax: float, exact: float,
-                   where: str) -> list[str]:
-    """One forward/backward record of the float32 run: overflow, flush, saturation, literals, integers."""
+                   where: str, sentinel: bool) -> list[str]:
+    """One forward/backward record of the float32 run: overflow, flush, literals, integers (``sentinel``: it holds
+    float32's max, which hides the range of its other values: the guard step judges it)."""
     out = []
-    absmax = s.get("absmax", 0.0)
+    absmax = 0.0 if sentinel else s.get("absmax", 0.0)
     if absmax > fmax / 2 ** MARGIN_BITS:
         out.append(f"{where}: |max| {absmax:.4g} within {MARGIN_BITS:g} bit of {fmt}'s max {fmax:.4g}")
     nonzero = s.get("numel", 0.0) - s.get("n_zero", 0.0)
     flushed = s.get(f"flush_{fmt}", 0.0)
     if nonzero > 0 and flushed / nonzero > FLUSH_SHARE:
         out.append(f"{where}: {flushed / nonzero:.0%} of its nonzero values flush to 0 in {fmt}")
-    info = op_info(op_base(r.op)) if r.op else None
-    if info is not None and info.bound is not None and absmax > 0 and _round(absmax, dtype) >= 1.0:
-        out.append(f"{where}: its largest output {absmax:.6g} rounds to the bound 1 in {fmt} (saturation)")
     for v in tuple(r.scalars) + tuple(v for _, v in r.literals):
         if _changes_class(v, dtype):
             out.append(f"{where}: the constant {v:g} is {_round(v, dtype):g} in {fmt}")
             break
-    if r.kind in ("op", "batch", "input") and not r.inputs and absmax > exact:
-        out.append(f"{where}: made from no floating input (positions, ids) with |max| {absmax:.4g} above "
-                   f"{exact:g}, the largest integer {fmt} holds exactly")
+    if absmax > exact and (_integers(r.sample, exact) or (r.kind in ("op", "batch", "input") and not r.inputs)):
+        out.append(f"{where}: integers (every sampled element) or a tensor made from no floating input (positions, "
+                   f"ids) with |max| {absmax:.4g} above {exact:g}, the largest integer {fmt} holds exactly")
     return out
+
+
+def _integers(sample: Any, exact: float) -> bool:
+    """The trace's element sample holds only integers, two distinct magnitudes of them beyond ``exact`` (what the
+    integer-values rule reads)."""
+    vals = [v for v in sample if math.isfinite(v)]
+    return bool(vals) and all(v == int(v) for v in vals) and len({abs(v) for v in vals if abs(v) > exact}) >= 2
 
 
 def _round(v: float, dtype: torch.dtype) -> float:
@@ -162,11 +182,13 @@ def _round(v: float, dtype: torch.dtype) -> float:
 
 
 def _changes_class(v: float, dtype: torch.dtype) -> bool:
-    """A finite number that is 0, ±1 or inf in ``dtype`` without being so in float32."""
+    """A finite number that is 0 or ±1 in ``dtype`` without being so in float32. (One that is inf there, a
+    ``-1e9`` fill, either raises or makes an inf in a low-precision tensor, which the guard step sees; in a float32
+    tensor of the target it is harmless.)"""
     if not math.isfinite(v) or v == 0:
         return False
     r = _round(v, dtype)
-    return r == 0 or math.isinf(r) or (abs(r) == 1.0 and abs(v) != 1.0)
+    return r == 0 or (abs(r) == 1.0 and abs(v) != 1.0)
 
 
 class _Guard(Observer):
@@ -202,10 +224,15 @@ def guard_step(spec: StepSpec, ref: RunResult, *, policy: str = "cuda") -> tuple
     out: list[str] = []
     if done.exc is not None:
         out.append(f"the {spec.precision} step raised {type(done.exc).__name__}: {str(done.exc)[:200]}")
+    twins = _occurrences(ref.trace.records)
+    seen: dict[tuple[str, str, str], int] = {}
     for r in res.records:
+        key = (r.phase, r.module, op_base(r.op))
+        n = seen[key] = seen.get(key, -1) + 1
         lo, hi = r.stats.get("min", 0.0), r.stats.get("max", 0.0)
-        if not (math.isfinite(lo) and math.isfinite(hi)):
-            out.append(f"{r.op} in {r.module or '<root>'} ({r.phase}) made inf/NaN in the {spec.precision} step")
+        if not (math.isfinite(lo) and math.isfinite(hi)) and not _same_kinds(lo, hi, twins.get((*key, n))):
+            out.append(f"{r.op} in {r.module or '<root>'} ({r.phase}) made inf/NaN in the {spec.precision} step "
+                       "that its float32 twin does not hold")
             break
     loss = done.losses[0] if done.losses else None
     ref_loss = ref.losses[0] if ref.losses else None
@@ -217,6 +244,29 @@ def guard_step(spec: StepSpec, ref: RunResult, *, policy: str = "cuda") -> tuple
         out.append(f"the {spec.precision} output |max| {t_out:.6g} is {_rel(t_out, r_out):.1%} off float32's")
     out += _zeroed(guard.zero, ref)
     return out, {"loss": loss, "reference_loss": ref_loss, "ops": len(res.records)}
+
+
+def _occurrences(records: list[Any]) -> dict[tuple[str, str, str, int], dict[str, float]]:
+    """The float32 run's op records by (phase, module, op, occurrence): how a cheap target record finds its twin
+    (autocast's extra casts are other ops and do not shift the count)."""
+    out: dict[tuple[str, str, str, int], dict[str, float]] = {}
+    seen: dict[tuple[str, str, str], int] = {}
+    for r in records:
+        if r.kind != "op" or not r.op:
+            continue
+        key = (r.phase, r.module, op_base(r.op))
+        n = seen[key] = seen.get(key, -1) + 1
+        out[(*key, n)] = r.stats
+    return out
+
+
+def _same_kinds(lo: float, hi: float, twin: dict[str, float] | None) -> bool:
+    """A target record's non-finite kinds (NaN, -inf, +inf from its ``aminmax``) are all in its float32 twin."""
+    if twin is None:
+        return False
+    if math.isnan(lo) or math.isnan(hi):
+        return bool(twin.get("n_nan", 0))
+    return (lo != -math.inf or bool(twin.get("n_neginf", 0))) and (hi != math.inf or bool(twin.get("n_posinf", 0)))
 
 
 def _rel(a: float, b: float) -> float:
