@@ -90,8 +90,9 @@ def spec_reasons(spec: StepSpec) -> list[str]:
     low = sorted({str(t.dtype).replace("torch.", "") for t in _state(spec) if t.dtype in HALF_DTYPES})
     if low:
         out.append(f"the model or optimizer already holds {'/'.join(low)} state (lost updates, 16-bit parameters)")
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        out.append("a torch.distributed process group: every rank runs the same diagnosis")
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out.append("a torch.distributed process group of several ranks: every rank runs the same diagnosis")
     inner = getattr(spec.model, "module", spec.model)
     declared = getattr(inner, "_keep_in_fp32_modules_strict", None) or (
         QUICK.get(spec.precision or "") == torch.float16 and getattr(inner, "_keep_in_fp32_modules", None))
