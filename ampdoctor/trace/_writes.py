@@ -11,15 +11,17 @@ float32 -> float64). Per written tensor the trace keeps, on the device:
   stored write changed, ``intended`` / ``applied``: sums of ``|exact - old|`` and ``|new - old|``.
 
 Cost: on the CPU (where reading a value back is no device sync) the re-run waits until the write ran. An update
-can only be lost where the stored write left an element unchanged, so a float32 (or wider) write with a finite
-update is re-run on its unchanged elements only: none (a healthy fp32 optimizer step: no re-run at all), or those
-gathered for a point-wise op on one tensor (``addcdiv_``, ``mul_``, ``lerp_`` ...). Such a write's ``lost`` and
-``changed`` are exact, its ``moving`` counts every changed element as moving (a stored change implies a nonzero
-exact one), its ``applied`` sums the differences taken in the stored dtype (exact for any update smaller than the
-value it updates; else within float32 rounding) and its ``intended`` is unknown (NaN): only 16-bit state's and
-loss-scaled loop writes' exact update sizes are read (``findings._updates``). 16-bit and 8-bit writes, other ops
-and the training-step code's own writes (module ``""``) are re-run whole; on an accelerator every write is, before
-it runs (deciding would read back).
+can only be lost where the stored write left an element unchanged, so a float32 (or wider) write is first judged by
+one pass (``new - old`` into a reused buffer, then a count of the changed elements): all changed (a healthy fp32
+optimizer step's weight decay and most of its updates) -- no re-run; else, with a finite update, it is re-run on its
+unchanged elements only where they can be gathered for a point-wise op on one tensor (``addcdiv_``, ``mul_``,
+``lerp_`` ...). Such a write's ``lost`` and ``changed`` are exact, its ``moving`` counts every changed element as
+moving (a stored change implies a nonzero exact one), its ``applied`` sums the differences taken in the stored dtype
+(exact for any update smaller than the value it updates; else within float32 rounding) and its ``intended`` is
+unknown (NaN): only 16-bit state's and loss-scaled loop writes' exact update sizes are read (``findings._updates``).
+16-bit and 8-bit writes, other ops and the training-step code's own writes (module ``""``) are re-run whole; on an
+accelerator every write is, before it runs (deciding would read back). Old values are copied into buffers reused
+from write to write (:class:`OldValues`) and, on the host, rows are host lists (no small tensor outlives the write).
 
 Side effects: none. The re-run writes only into copies, under no mode and no grad; ops that draw random
 numbers are not re-run (their statistics stay unknown) so no RNG is consumed. No host sync: the rows are read
@@ -47,6 +49,54 @@ def _wider(dtype: torch.dtype) -> torch.dtype:
     """One format wider than ``dtype``: float32 for the 16-bit (and 8-bit) formats, else float64."""
     info = dtype_info(dtype)
     return torch.float32 if info is not None and info.bits <= 16 else torch.float64
+
+
+class OldValues:
+    """Reusable buffers for the old values (and ``new - old``) of the writes being measured.
+
+    A fresh buffer per write costs more than the copy into it (a large one is mmap'ed and page-faulted anew: ~5x a
+    copy into a warm buffer on this CPU), and many mid-sized ones freed between the step's transients fragment the
+    C heap. A write borrows one flat buffer per (dtype, device) for all its tensors (:meth:`take`) and gives it back
+    once its rows are made (:meth:`give`); at most :data:`KEEP` free buffers per key are kept (the largest), and
+    :meth:`clear` drops them all (the trace calls it when it reads a step's statistics back)."""
+
+    KEEP = 2
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat buffer of at least ``numel`` elements (uninitialised), not handed out again until given back."""
+        free = self._free.get((dtype, device), [])
+        fits = [b for b in free if b.numel() >= numel]
+        if fits:
+            free.remove(buf := min(fits, key=lambda b: b.numel()))
+            return buf
+        if free:  # none fits: drop the smallest free one rather than keep it next to a larger new one
+            free.remove(min(free, key=lambda b: b.numel()))
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        free = self._free.setdefault((buf.dtype, buf.device), [])
+        free.append(buf)
+        if len(free) > self.KEEP:  # keep the largest
+            free.remove(min(free, key=lambda b: b.numel()))
+
+    def views(self, like: list[torch.Tensor], dtypes: list[torch.dtype]) -> tuple[list[Any], list[torch.Tensor]]:
+        """Buffers shaped like ``like`` in ``dtypes`` (views into flat ones, one per dtype and device), and those."""
+        need: dict[tuple[torch.dtype, torch.device], int] = {}
+        for t, dt in zip(like, dtypes):
+            need[(dt, t.device)] = need.get((dt, t.device), 0) + t.numel()
+        flat = {k: self.take(n, *k) for k, n in need.items()}
+        used, out = dict.fromkeys(need, 0), []
+        for t, dt in zip(like, dtypes):
+            k, n = (dt, t.device), t.numel()
+            out.append(flat[k][used[k]:used[k] + n].view(t.shape))
+            used[k] += n
+        return out, list(flat.values())
+
+    def clear(self) -> None:
+        self._free.clear()
 
 
 @dataclass
@@ -135,7 +185,7 @@ class PendingWrite:
     and widens them only if it must be re-run whole."""
 
     def __init__(self, func: Any, args: Any, kwargs: Any, tensors: list[torch.Tensor], defer: bool,
-                 measure: bool = True) -> None:
+                 measure: bool = True, buffers: OldValues | None = None) -> None:
         self.tensors = tensors
         self.old: list[torch.Tensor | None] = []
         self.exact: list[torch.Tensor | None] = [None] * len(tensors)
@@ -143,17 +193,21 @@ class PendingWrite:
         self._call: tuple[Any, Any, Any] | None = (func, args, kwargs) if defer and measure and not seeded else None
         self._narrow = False
         self.measured = measure
+        #: the borrowed flat buffers the old values live in (given back to ``_buffers`` once the rows are made)
+        self._buffers = buffers if buffers is not None else OldValues()
+        self._borrowed: list[torch.Tensor] = []
         if not measure:
             self.old = [None] * len(tensors)
             return
         #: old values kept in the stored dtype (a deferred wide write), widened only for a whole re-run
         self._narrow = self._call is not None and all(_wider(t.dtype) == torch.float64 for t in tensors)
         with torch._C.DisableTorchFunction(), torch.no_grad(), _disable_current_modes():
-            for t in tensors:
-                try:
-                    self.old.append(t.detach().clone() if self._narrow else t.detach().to(_wider(t.dtype), copy=True))
-                except Exception:  # noqa: BLE001 - observation must not raise into user code
-                    self.old.append(None)
+            try:
+                dtypes = [t.dtype if self._narrow else _wider(t.dtype) for t in tensors]
+                bufs, self._borrowed = self._buffers.views(tensors, dtypes)
+                self.old = [b.copy_(t.detach()) for b, t in zip(bufs, tensors)]
+            except Exception:  # noqa: BLE001 - observation must not raise into user code
+                self.old = [None] * len(tensors)
             if not defer and not seeded:
                 self._rerun(func, args, kwargs, {})
 
@@ -180,50 +234,79 @@ class PendingWrite:
     def rows(self, exact_needed: bool) -> list[Any]:
         """One statistics row per written tensor (after the op ran), no host sync on an accelerator.
 
-        A deferred float32 (or wider) write whose stored update is finite is judged without re-running all of it
-        unless ``exact_needed``: an element the write changed kept no update away, so only the elements it left
-        unchanged can have lost one -- none (no re-run), or a point-wise op on one tensor (re-run on just those
+        A deferred float32 (or wider) write is judged without re-running all of it unless ``exact_needed``: an
+        element the write changed kept no update away, so only the elements it left unchanged can have lost one --
+        none (no re-run), or, where the stored update is finite, a point-wise op on one tensor (re-run on just those
         elements). ``intended`` is then unknown (NaN) and ``moving`` counts the changed elements as moving. Any other
-        deferred write re-runs whole now, on copies of the old values. An unmeasured write's row is a host list of
-        NaN: no tensor (thousands of small tensors that outlive the step's transients pin the holes those leave in the
-        C heap: see :class:`~ampdoctor.trace._stats.Scratch`)."""
+        deferred write re-runs whole now, on copies of the old values. On the host a row is a host list (reading a
+        value costs nothing there); an unmeasured write's row is a host list of NaN: no tensor (thousands of small
+        tensors that outlive the step's transients pin the holes those leave in the C heap: see
+        :class:`~ampdoctor.trace._stats.Scratch`). The old values' buffers are given back when the rows are made."""
         if not self.measured:
             return [[math.nan] * len(WRITE_FIELDS) for _ in self.tensors]
-        with torch._C.DisableTorchFunction(), torch.no_grad(), _disable_current_modes():
-            if self._narrow and not exact_needed and all(o is not None for o in self.old):
-                rows = self._wide_rows()
-                if rows is not None:
-                    return rows
-            if self._narrow:
-                self.old = [o.to(_wider(o.dtype)) if o is not None else None for o in self.old]
-            applied = [_applied(t, old) for t, old in zip(self.tensors, self.old)]
-            if self._call is not None:
-                func, args, kwargs = self._call
-                self._rerun(func, args, kwargs, {id(t): old.clone() for t, old in zip(self.tensors, self.old)
-                                                 if old is not None})
-            return [_row(t, old, exact, a) for t, old, exact, a in zip(self.tensors, self.old, self.exact, applied)]
+        try:
+            with torch._C.DisableTorchFunction(), torch.no_grad(), _disable_current_modes():
+                return self._measured_rows(exact_needed)
+        finally:
+            self.old, self.exact = [None] * len(self.tensors), [None] * len(self.tensors)
+            for b in self._borrowed:
+                self._buffers.give(b)
+            self._borrowed = []
+
+    def _measured_rows(self, exact_needed: bool) -> list[Any]:
+        if self._narrow and not exact_needed and all(o is not None for o in self.old):
+            rows = self._wide_rows()
+            if rows is not None:
+                return rows
+        if self._narrow:
+            self.old = [o.to(_wider(o.dtype)) if o is not None else None for o in self.old]
+        applied = [_applied(t, old) for t, old in zip(self.tensors, self.old)]
+        if self._call is not None:
+            func, args, kwargs = self._call
+            self._rerun(func, args, kwargs, {id(t): old.clone() for t, old in zip(self.tensors, self.old)
+                                             if old is not None})
+        return [_row(t, old, exact, a) for t, old, exact, a in zip(self.tensors, self.old, self.exact, applied)]
 
     def _wide_rows(self) -> list[Any] | None:
         """Rows of a deferred wide write from its unchanged elements only (see :meth:`rows`); None: re-run it all.
 
-        ``new - old`` is taken in the stored dtype: zero exactly where the value did not change (IEEE subtraction of
-        unequal finite numbers is never 0), and exact wherever the new value is within a factor 2 of the old one
-        (Sterbenz), so ``applied`` -- summed in float64 -- equals the widened computation's for any update smaller
-        than the value it updates."""
+        ``new - old`` is taken in the stored dtype, into a borrowed buffer: zero exactly where the value did not
+        change (IEEE subtraction of unequal finite numbers is never 0), and exact wherever the new value is within a
+        factor 2 of the old one (Sterbenz), so ``applied`` -- summed in float64 (:func:`_abs_total`) -- equals the
+        widened computation's for any update smaller than the value it updates. One pass counts the changed elements
+        (NaN counts as changed); a write that changed them all is done (nothing left to lose, whatever its values)."""
         func, args, _ = self._call  # type: ignore[misc]
-        diffs = [torch.sub(t.detach(), old) for t, old in zip(self.tensors, self.old)]  # type: ignore[arg-type]
-        totals = [d.abs_().sum(dtype=torch.float64) for d in diffs]
-        if not all(math.isfinite(float(x)) for x in totals):
-            return None
-        unchanged = [(d == 0).reshape(-1).nonzero().squeeze(1) for d in diffs]
-        if all(u.numel() == 0 for u in unchanged):
+        diffs, borrowed = self._buffers.views(self.tensors, [t.dtype for t in self.tensors])
+        self._borrowed += borrowed
+        for d, t, old in zip(diffs, self.tensors, self.old):
+            torch.sub(t.detach(), old, out=d)  # type: ignore[arg-type]
+        changed = [int(torch.count_nonzero(d)) for d in diffs]
+        totals = [_abs_total(d) for d in diffs]
+        if all(c == t.numel() for c, t in zip(changed, self.tensors)):
             return [_counts_row(t, 0, total, 0) for t, total in zip(self.tensors, totals)]
+        if not all(map(math.isfinite, totals)):
+            return None
         t, old = self.tensors[0], self.old[0]
         if (len(self.tensors) != 1 or old is None or torch.Tag.pointwise not in func.tags or not args
                 or args[0] is not t):
             return None
-        lost = _lost_where_unchanged(self._call, t, old, unchanged[0])  # type: ignore[arg-type]
-        return None if lost is None else [_counts_row(t, unchanged[0].numel(), totals[0], lost)]
+        unchanged = (diffs[0] == 0).reshape(-1).nonzero().squeeze(1)
+        lost = _lost_where_unchanged(self._call, t, old, unchanged)  # type: ignore[arg-type]
+        return None if lost is None else [_counts_row(t, unchanged.numel(), totals[0], lost)]
+
+
+def _abs_total(d: torch.Tensor) -> float:
+    """``sum(|d|)`` in float64, ``d`` overwritten by ``|d|``. A float32 tensor above :data:`_SUM_CHUNK` elements is
+    summed per chunk in float32 and the chunk sums in float64 (``sum(dtype=float64)`` of float32 converts element by
+    element: ~25x a float32 sum on this CPU); a chunk's float32 sum is within ~1e-7 of its exact sum."""
+    a = d.abs_().reshape(-1)
+    n = a.numel() // _SUM_CHUNK * _SUM_CHUNK
+    if a.dtype != torch.float32 or n == 0:
+        return float(a.sum(dtype=torch.float64))
+    return float(a[:n].view(-1, _SUM_CHUNK).sum(1).sum(dtype=torch.float64)) + float(a[n:].sum(dtype=torch.float64))
+
+
+_SUM_CHUNK = 1 << 16  # elements per float32 chunk of :func:`_abs_total`
 
 
 def _lost_where_unchanged(call: tuple[Any, Any, Any], t: torch.Tensor, old: torch.Tensor,
@@ -293,7 +376,7 @@ def _applied(t: torch.Tensor, old: torch.Tensor | None) -> tuple[torch.Tensor, t
         return None
 
 
-def _counts_row(t: torch.Tensor, unchanged: int, total: torch.Tensor, lost: int) -> list[float]:
+def _counts_row(t: torch.Tensor, unchanged: int, total: float, lost: int) -> list[float]:
     """The row of a wide write with ``unchanged`` elements, ``lost`` of which should have moved (its changed elements
     all moved): exact update unknown (NaN)."""
     n = t.numel()
@@ -302,23 +385,28 @@ def _counts_row(t: torch.Tensor, unchanged: int, total: torch.Tensor, lost: int)
 
 
 def _row(t: torch.Tensor, old: torch.Tensor | None, exact: torch.Tensor | None,
-         applied: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    nan = torch.full((len(WRITE_FIELDS),), math.nan, dtype=torch.float64, device=t.device)
+         applied: tuple[torch.Tensor, torch.Tensor] | None) -> Any:
+    """The row of a write re-run whole: a host list on a host device, else one float64 device tensor (no sync)."""
+    host = t.device.type in _stats.HOST_DEVICES
+    nan: Any = [math.nan] * len(WRITE_FIELDS) if host else torch.full(
+        (len(WRITE_FIELDS),), math.nan, dtype=torch.float64, device=t.device)
     if old is None or applied is None:
         return nan
     try:
         diff, total = applied  # |new - old|
         cnt = torch.count_nonzero  # NaN counts as nonzero, as ``!= 0`` does
-        vals = [torch.tensor(float(t.numel()), dtype=torch.float64, device=t.device)]
+        vals: list[Any] = [float(t.numel())]
         if exact is not None and exact.shape == old.shape:
             intended = exact - old
             lost = cnt(torch.where(diff == 0, intended, 0))  # moving elements the stored write left unchanged
             vals += [cnt(intended), lost, cnt(diff), intended.abs_().sum()]
         else:
-            n = torch.tensor(math.nan, dtype=torch.float64, device=t.device)
-            vals += [n, n, cnt(diff), n]
+            vals += [math.nan, math.nan, cnt(diff), math.nan]
         vals.append(total)
-        return torch.stack([v.to(torch.float64) for v in vals])
+        if host:
+            return [float(v) for v in vals]
+        return torch.stack([v.to(torch.float64) if isinstance(v, torch.Tensor)
+                            else torch.tensor(v, dtype=torch.float64, device=t.device) for v in vals])
     except Exception:  # noqa: BLE001 - observation must not raise into user code
         return nan
 
@@ -338,6 +426,8 @@ class WriteLog:
         #: with NaN statistics, and costs no copy: a caller that knows which writes its analysis reads skips the
         #: others' old-value copy and wider re-run (the diagnosis: see ``ampdoctor.precision._runner``)
         self.measure: Any = None
+        #: the measured writes' old-value buffers, reused from write to write within a step
+        self.buffers = OldValues()
 
     def before(self, func: Any, args: Any, kwargs: Any, node: Any
                ) -> tuple[PendingWrite, list[tuple[str, str, str]]] | None:
@@ -365,7 +455,7 @@ class WriteLog:
             return None
         measure = self.measure is None or any(self.measure(t, m) for t, m in zip(picked, meta))
         defer = measure and deferrable(func, args, kwargs, ts, picked)
-        return PendingWrite(func, args, kwargs, picked, defer, measure), meta
+        return PendingWrite(func, args, kwargs, picked, defer, measure, self.buffers), meta
 
     def after(self, pending: tuple[PendingWrite, list[tuple[str, str, str]]], op: str, phase: str, module: str,
               step: int, index: int, src: tuple[str, int] | None) -> None:
@@ -383,6 +473,10 @@ class WriteLog:
                                             str(t.dtype).replace("torch.", ""), seq, src, row=row))
 
     def unread(self) -> list[WriteRecord]:
+        """The writes whose rows are not read back yet. The trace asks when it reads a step's statistics back: the
+        step's writes are over, so the old-value buffers are dropped here (not held between steps or after the
+        trace)."""
+        self.buffers.clear()
         return [w for w in self.records if w.row is not None]
 
     def read_with(self, rows: list[Any], writes: list[WriteRecord], width: int, sketch: Any, base: int,
