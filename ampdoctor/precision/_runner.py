@@ -38,7 +38,7 @@ class ParamState:
     grad_none: bool
     in_optimizer: bool
     grad_dtype: str = ""
-    grad_zero: Any = None  # device tensor: fraction of exactly-zero grad elements, read with the trace
+    grad_zero: Any = None  # fraction of exactly-zero grad elements (a float; off the host a device tensor until read)
 
 
 @dataclass
@@ -66,7 +66,8 @@ class RunResult:
     models: Any = None
     #: per-tensor fp8 statistics when the precision is emulated fp8 (:class:`ampdoctor.precision.Fp8Stats`)
     fp8: Any = None
-    #: per step, the norm of all gradients as ``optimizer.step`` read them (NaN: no optimizer step)
+    #: per step, the norm of all gradients as ``optimizer.step`` read them (NaN: no optimizer step); only with an
+    #: enabled GradScaler (its one reader compares it with the loss scale), else empty
     grad_norms: list[float] = field(default_factory=list)
     #: per step, the GradScaler's scale while the step ran (empty without an enabled scaler)
     step_scales: list[float] = field(default_factory=list)
@@ -79,9 +80,11 @@ def _coverage(model: nn.Module, names: dict[int, str], owners: dict[int, str], o
         if not p.requires_grad:
             continue
         g = p.grad
-        zero = None
+        zero: Any = None
         if g is not None and g.numel():  # count_nonzero: no gradient-sized temporary
             zero = (g.numel() - torch.count_nonzero(g)).to(torch.float64) / g.numel()
+            if g.device.type == "cpu":  # reading is free on the host: a float, not a 0-d tensor kept until the read
+                zero = float(zero)
         out.append(ParamState(
             names.get(id(p), ""), owners.get(id(p), ""), str(p.dtype).replace("torch.", ""), True, g is None,
             True if in_opt is None else id(p) in in_opt, "" if g is None else str(g.dtype).replace("torch.", ""),
@@ -166,7 +169,10 @@ class _TraceObserver(Observer):
         self.owners = self.tr.attribution.param_owner
         self.model = model
         self.tr.on_optimizer_pre.append(self._snapshot)
-        self.tr.on_optimizer_pre.append(self._grad_norm)
+        if prep.scaler is not None and prep.scaler.is_enabled():
+            # read only against a loss scale (``loss-scaling-misuse``): a step without an enabled scaler skips
+            # the norm (a pass over every gradient, ~2.5 s per run at 750M parameters on this CPU)
+            self.tr.on_optimizer_pre.append(self._grad_norm)
         self.norms: list[Any] = []
         for t in iter_tensors(prep.batch):
             try:
@@ -191,7 +197,8 @@ class _TraceObserver(Observer):
         if self.norms[step] is None and self.opt is not None:
             gs = [p.grad for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
             if gs:
-                self.norms[step] = torch.stack([sum_of_squares(g.detach()) for g in gs]).sum().sqrt()
+                norm = torch.stack([sum_of_squares(g.detach()) for g in gs]).sum().sqrt()
+                self.norms[step] = float(norm) if norm.device.type == "cpu" else norm  # a host float on the host
 
     def _snapshot(self) -> None:
         if len(self.result.coverage) <= self.tr.mode.step:
@@ -227,16 +234,16 @@ class _TraceObserver(Observer):
                 res.optimizer_state_dtypes[self.names.get(id(p), "")] = [
                     str(v.dtype).replace("torch.", "") for v in st.values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0]
-        zero_ts = [ps.grad_zero for cov in res.coverage for ps in cov if ps.grad_zero is not None]
+        zero_ts = [ps.grad_zero for cov in res.coverage for ps in cov if isinstance(ps.grad_zero, torch.Tensor)]
         res.trace = self.tr.result()
-        known = [n for n in self.norms if n is not None]
+        known = [n for n in self.norms if isinstance(n, torch.Tensor)]
         vals = iter(torch.stack([n.cpu() for n in known]).tolist() if known else [])
-        res.grad_norms = [next(vals) if n is not None else float("nan") for n in self.norms]
+        res.grad_norms = [float("nan") if n is None else n if isinstance(n, float) else next(vals) for n in self.norms]
         if zero_ts:
             it = iter(torch.stack([z.cpu() for z in zero_ts]).tolist())
             for cov in res.coverage:
                 for ps in cov:
-                    if ps.grad_zero is not None:
+                    if isinstance(ps.grad_zero, torch.Tensor):
                         ps.grad_zero = next(it)
         self.tr.on_optimizer_pre.clear()
         self.tr.on_optimizer_post.clear()

@@ -172,3 +172,19 @@ def test_gradient_norm_sum_of_squares_matches_float64(case: str) -> None:
         v = sum_of_squares(h).item()
         assert (v == want) if want is not None else v != v
     assert sum_of_squares(torch.zeros(100)).item() == 0.0
+
+
+def test_host_runs_keep_no_small_tensors_and_norms_only_with_a_scaler() -> None:
+    """On the host the per-parameter zero fractions and the per-step gradient norms are floats from the start (no
+    0-d tensor per parameter lives until the read-back: they pin holes in the C heap at scale), and the gradient
+    norm -- read only against a loss scale -- is computed only with an enabled GradScaler."""
+    for scaler in (True, False):
+        spec = _spec("fp16-amp", scaler=scaler, steps=2)
+        for reference in (True, False):
+            res = run(spec, reference=reference)
+            assert all(isinstance(ps.grad_zero, float) for cov in res.coverage for ps in cov if not ps.grad_none)
+            assert len(res.coverage) == 2
+            if scaler:
+                assert len(res.grad_norms) == 2 and all(isinstance(n, float) and n > 0 for n in res.grad_norms)
+            else:
+                assert res.grad_norms == []
