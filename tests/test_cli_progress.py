@@ -68,3 +68,13 @@ def test_progress_on_a_terminal_only(tmp_path: Path) -> None:
         res = CliRunner().invoke(main, [command, str(f)], env={"NO_COLOR": "1", "COLUMNS": "100"})
         assert res.exit_code == 0, res.output
         assert "fp32 headroom run" not in res.output and "reference run" not in res.output
+
+
+def test_quick_check_shows_its_phases(tmp_path: Path) -> None:
+    """fp16-amp on the healthy model: the fp32 headroom run, then the quick target step (no full diagnosis)."""
+    f = tmp_path / "healthy_amp.py"
+    f.write_text(HEALTHY.replace('"precision": "fp16"', '"precision": "fp16-amp"'))
+    code, out, err = _cli(["check", str(f)], tty=True)
+    assert code == 0, err
+    assert "fp32 headroom run" in err and "quick target-precision step" in err, err
+    assert "full diagnosis" not in err and "quick check" in out, out

@@ -83,6 +83,7 @@ class PhaseProgress:
             if phase in self.phases:
                 self.bar.update(self.task, completed=self.phases.index(phase),
                                 description=self.LABELS.get(phase, phase))
+                self.bar.refresh()  # drawn now: a phase shorter than the refresh period still shows
 
         return update
 
