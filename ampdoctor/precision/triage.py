@@ -13,8 +13,7 @@ decides, from mechanisms, whether that diagnosis can find anything that changes 
    a crash or a non-finite loss; NaN or float32's max in float32 (sentinels such as ``finfo(float32).min``, masked
    rows), an inf in float32 that reaches the backward, the optimizer or a forward-only output (a forward inf that
    is absorbed, T5's ``log(0)`` of its position buckets, is left to the guard step's comparison); a forward/backward
-   finite value within one bit of the format's max (overflow, also one a clamp catches); an op whose nonzero values
-   flush to 0 in the format for more than a quarter (underflow); a literal or scalar
+   finite value within one bit of the format's max (overflow, also one a clamp catches); a literal or scalar
    argument that is 0 or ±1 in the format but not in float32 (constant-out-of-range); integers (every sampled
    element, as the integer-values rule reads them) or a tensor made from no floating input (positions, ids cast to
    float) beyond the integers the format holds exactly; trainable
@@ -22,7 +21,9 @@ decides, from mechanisms, whether that diagnosis can find anything that changes 
 3. :func:`guard_step` -- the target step itself, on copies, under the cheap trace tier (one ``aminmax`` per op):
    it raised (a dtype mismatch under autocast, a literal that does not fit); any op output inf/NaN (also one
    absorbed downstream) of a kind (NaN, +inf, -inf) that its float32 twin (same phase, module, op and occurrence)
-   does not hold; the loss (or output |max|) off by more than 1% from float32; a parameter whose gradient
+   does not hold; an op the target computes in the low dtype whose float32 twin's nonzero values flush to 0 there
+   for more than a quarter (underflow; an op autocast keeps in float32, ``log_softmax``'s backward, flushes
+   nothing); the loss (or output |max|) off by more than 1% from float32; a parameter whose gradient
    is exactly zero in the target and not in float32 (the saturation rule's error: dead gradients; its other
    error, a pole turning the bound into inf, is an inf the guard sees).
 
@@ -151,16 +152,12 @@ def reference_reasons(ref: RunResult, precision: str) -> list[str]:
 
 def _range_reasons(r: Any, s: dict[str, float], fmt: str, dtype: torch.dtype, fmax: float, exact: float,
                    where: str, sentinel: bool) -> list[str]:
-    """One forward/backward record of the float32 run: overflow, flush, literals, integers (``sentinel``: it holds
+    """One forward/backward record of the float32 run: overflow, literals, integers (``sentinel``: it holds
     float32's max, which hides the range of its other values: the guard step judges it)."""
     out = []
     absmax = 0.0 if sentinel else s.get("absmax", 0.0)
     if absmax > fmax / 2 ** MARGIN_BITS:
         out.append(f"{where}: |max| {absmax:.4g} within {MARGIN_BITS:g} bit of {fmt}'s max {fmax:.4g}")
-    nonzero = s.get("numel", 0.0) - s.get("n_zero", 0.0)
-    flushed = s.get(f"flush_{fmt}", 0.0)
-    if nonzero > 0 and flushed / nonzero > FLUSH_SHARE:
-        out.append(f"{where}: {flushed / nonzero:.0%} of its nonzero values flush to 0 in {fmt}")
     for v in tuple(r.scalars) + tuple(v for _, v in r.literals):
         if _changes_class(v, dtype):
             out.append(f"{where}: the constant {v:g} is {_round(v, dtype):g} in {fmt}")
@@ -225,16 +222,23 @@ def guard_step(spec: StepSpec, ref: RunResult, *, policy: str = "cuda") -> tuple
     out: list[str] = []
     if done.exc is not None:
         out.append(f"the {spec.precision} step raised {type(done.exc).__name__}: {str(done.exc)[:200]}")
+    low = QUICK[str(spec.precision)]
+    fmt = "fp16" if low == torch.float16 else "bf16"
     twins = _occurrences(ref.trace.records)
     seen: dict[tuple[str, str, str], int] = {}
     for r in res.records:
         key = (r.phase, r.module, op_base(r.op))
         n = seen[key] = seen.get(key, -1) + 1
         lo, hi = r.stats.get("min", 0.0), r.stats.get("max", 0.0)
-        if not (math.isfinite(lo) and math.isfinite(hi)) and not _same_kinds(lo, hi, twins.get((*key, n))):
-            out.append(f"{r.op} in {r.module or '<root>'} ({r.phase}) made inf/NaN in the {spec.precision} step "
-                       "that its float32 twin does not hold")
+        twin = twins.get((*key, n))
+        where = f"{r.op} in {r.module or '<root>'} ({r.phase})"
+        if not (math.isfinite(lo) and math.isfinite(hi)) and not _same_kinds(lo, hi, twin):
+            out.append(f"{where} made inf/NaN in the {spec.precision} step that its float32 twin does not hold")
             break
+        share = _flushed(twin, fmt) if r.dtype == low else 0.0
+        if share > FLUSH_SHARE and len(out) < MAX_REASONS:
+            out.append(f"{where} runs in {fmt} in the {spec.precision} step, and {share:.0%} of its float32 twin's "
+                       f"nonzero values flush to 0 in {fmt}")
     loss = done.losses[0] if done.losses else None
     ref_loss = ref.losses[0] if ref.losses else None
     if loss is not None and ref_loss is not None and _rel(loss, ref_loss) > LOSS_REL:
@@ -259,6 +263,14 @@ def _occurrences(records: list[Any]) -> dict[tuple[str, str, str, int], dict[str
         n = seen[key] = seen.get(key, -1) + 1
         out[(*key, n)] = r.stats
     return out
+
+
+def _flushed(twin: dict[str, float] | None, fmt: str) -> float:
+    """Share of a float32 record's nonzero values that flush to 0 in ``fmt`` (the headroom run counts them)."""
+    if not twin:
+        return 0.0
+    nonzero = twin.get("numel", 0.0) - twin.get("n_zero", 0.0)
+    return twin.get(f"flush_{fmt}", 0.0) / nonzero if nonzero > 0 else 0.0
 
 
 def _same_kinds(lo: float, hi: float, twin: dict[str, float] | None) -> bool:
