@@ -634,3 +634,84 @@ def ema_bf16(bad: bool) -> dict[str, Any]:
         m.ema.float()  # the fix in the PR: the EMA copy stays float32 while the model trains in bf16
     return {"model": m, "batch": torch.randn(16, 8, generator=_gen(18)), "precision": None,
             "train_step": _ema_step(), "steps": 2}
+
+
+# ------------------------------------------------------------------ noise schedules cast to the latents' dtype
+class NoisePredictor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(9, 32)
+        self.out = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.out(F.silu(self.inp(torch.cat([x, t[:, None].to(x.dtype) / 1000], -1))))
+
+
+class DDPMTrainer(nn.Module):
+    """A DDPM training step with Stable Diffusion's scaled-linear schedule; ``add_noise`` as diffusers wrote it
+    before PR 9004 (the schedule cast to the sample's dtype) or after it (the noisy sample computed in float32)."""
+
+    def __init__(self, cast_schedule: bool) -> None:
+        super().__init__()
+        self.unet = NoisePredictor()
+        betas = torch.linspace(0.00085**0.5, 0.012**0.5, 1000) ** 2
+        self.register_buffer("alphas_cumprod", torch.cumprod(1 - betas, 0))
+        self.cast_schedule = cast_schedule
+
+    def forward(self, latents: torch.Tensor, timesteps: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        if self.cast_schedule:
+            a = self.alphas_cumprod.to(dtype=latents.dtype)[timesteps][:, None]
+            noisy = a.sqrt() * latents + (1 - a).sqrt() * noise
+        else:
+            a = self.alphas_cumprod[timesteps][:, None]
+            noisy = (a.sqrt() * latents.float() + (1 - a).sqrt() * noise.float()).to(latents.dtype)
+        return self.unet(noisy, timesteps)
+
+
+def noise_mse(out: torch.Tensor, batch: Any) -> torch.Tensor:
+    return F.mse_loss(out.float(), batch["noise"].float())
+
+
+@case("ddpm-alphas-cumprod-cast-bf16", "https://github.com/huggingface/diffusers/pull/9004 ([bugfix] reduce float "
+      "value error when adding noise: with the schedule cast to the bf16/fp16 sample dtype it adds no noise at all "
+      "for steps 0 and 2)", ("precision-loss", "", "aten.rsub.Scalar", "forward"))
+def ddpm_cast(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    g = _gen(19)  # latents from a bf16 VAE; the low-noise timesteps (0..45) of a fine-tuning batch
+    batch = {"latents": torch.randn(16, 8, generator=g).bfloat16(), "timesteps": torch.arange(0, 48, 3),
+             "noise": torch.randn(16, 8, generator=g).bfloat16()}
+    return {"model": DDPMTrainer(cast_schedule=bad), "batch": batch, "precision": "bf16-amp", "loss_fn": noise_mse}
+
+
+class FlowMatchTrainer(nn.Module):
+    """A rectified-flow step (SD3 / Flux): ``x_t = (1 - sigma) * latents + sigma * noise``, the shifted sigmas
+    gathered from the schedule in the weights' dtype (sd-scripts' ``get_sigmas(..., dtype=weight_dtype)``)."""
+
+    def __init__(self, shift: float = 3.0) -> None:
+        super().__init__()
+        self.net = NoisePredictor()
+        s = torch.linspace(1.0, 1 / 1000, 1000)
+        self.register_buffer("sigmas", shift * s / (1 + (shift - 1) * s))
+
+    def forward(self, latents: torch.Tensor, timesteps: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        dtype = self.net.inp.weight.dtype
+        sigma = self.sigmas.to(dtype=dtype)[timesteps][:, None]
+        noisy = (1.0 - sigma) * latents.to(dtype) + sigma * noise.to(dtype)
+        return self.net(noisy, timesteps)
+
+
+def velocity_mse(out: torch.Tensor, batch: Any) -> torch.Tensor:
+    return F.mse_loss(out.float(), (batch["noise"] - batch["latents"]).float())
+
+
+@case("flow-match-sigmas-bf16", "second family for the rounded-operand fix: full-bf16 rectified-flow training "
+      "whose shifted sigmas come from a schedule in the weights' dtype (kohya-ss/sd-scripts --full_bf16, "
+      "get_sigmas(dtype=weight_dtype)): sigmas within 2**-9 of 1 round to 1 and (1 - sigma) * latents drops the "
+      "signal", ("precision-loss", "", "aten.rsub.Scalar", "forward"))
+def flow_match(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    g = _gen(20)  # the high-noise end that the resolution shift makes common (indices 0..30: sigma >= 0.99)
+    batch = {"latents": torch.randn(16, 8, generator=g), "timesteps": torch.arange(0, 32, 2),
+             "noise": torch.randn(16, 8, generator=g)}
+    return {"model": FlowMatchTrainer(), "batch": batch, "precision": "bf16" if bad else "bf16-amp",
+            "loss_fn": velocity_mse}

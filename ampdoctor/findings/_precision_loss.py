@@ -28,6 +28,7 @@ from ampdoctor.findings._crash import out_of_range_findings
 from ampdoctor.findings._elementwise import AMPLIFIERS, amplified_records, decision_source, element_loss_records
 from ampdoctor.findings._integer_values import integer_rounding_findings
 from ampdoctor.findings._registry import Candidate, rule
+from ampdoctor.findings._rounded_operands import rounded_operand_findings
 from ampdoctor.findings._types import Finding, FixProposal
 from ampdoctor.trace import Kind, OpRecord, ops_with
 
@@ -105,7 +106,8 @@ def precision_loss(ctx: Context) -> list[Candidate]:
     at = {c.order for c in decisions}
     amplified = [c for c in _amplified_findings(ctx) if c.order not in at]
     at |= {c.order for c in amplified}
-    return (_cancellation_findings(ctx) + out_of_range_findings(ctx) + integer_rounding_findings(ctx) + decisions
+    return (_cancellation_findings(ctx) + out_of_range_findings(ctx) + integer_rounding_findings(ctx)
+            + rounded_operand_findings(ctx) + decisions
             + lost + amplified
             + [c for c in _element_findings(ctx) if c.order not in at])
 

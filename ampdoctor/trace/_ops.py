@@ -56,6 +56,7 @@ class Kind(enum.Enum):
     ORDERS = "orders"                # a decision that orders a whole row (sort, argsort)
     CLIPS = "clips"                  # replaces out-of-range or non-finite values (clamp, nan_to_num, where): a guard
     STATS_WRITE = "stats_write"      # writes running_mean / running_var in training; the schema does not say so
+    GATHERS = "gathers"              # picks elements of its first input by integer indices: a subset of its values
 
 
 class Reduces(enum.Enum):
@@ -235,6 +236,8 @@ for _n in ("as_strided", "narrow", "select", "slice", "split", "split_with_sizes
     declare(_n, K.VIEW)  # a subset of the input's elements
 declare("clone", K.COPY, K.SAME_ELEMENTS)
 declare("contiguous", K.COPY, K.SAME_ELEMENTS)
+for _n in ("index", "index_select", "gather", "take", "embedding"):
+    declare(_n, K.GATHERS)  # (embedding's first input is the weight)
 declare("cat", K.JOIN)
 declare("stack", K.JOIN)
 for _n in ("_to_copy", "to", "_to_copy_", "copy_"):

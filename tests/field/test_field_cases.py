@@ -227,3 +227,20 @@ def test_ema_bf16_numbers() -> None:
     e = e0
     assert torch.equal((e.float() - step).bfloat16(), e) and (step != 0).any()  # the EMA step rounds away
     assert any(x.snippet and "float()" in x.snippet for x in f.fixes)
+
+
+@pytest.mark.parametrize("name,schedule,ts", [
+    ("ddpm-alphas-cumprod-cast-bf16", "alphas_cumprod", torch.arange(0, 48, 3)),
+    ("flow-match-sigmas-bf16", "sigmas", torch.arange(0, 32, 2)),
+])
+def test_rounded_schedule_numbers(name: str, schedule: str, ts: torch.Tensor) -> None:
+    spec, report = _diagnose(name, True)
+    f = report.findings[0]
+    ev = f.evidence
+    s = getattr(spec["model"], schedule).float()[ts]  # the schedule values the batch's timesteps pick
+    exact, low = 1 - s, 1 - s.bfloat16().float()  # 1 - x from fp32 vs from the bf16-rounded x
+    assert ev["ref_absmax"] == pytest.approx(exact.abs().max().item(), rel=1e-3)
+    assert ev["zeros_created"] == int(((low == 0) & (exact != 0)).sum()) >= 1  # e.g. 0.99915 -> 1.0
+    assert ev["operand_absmax"] / ev["ref_absmax"] >= 16 and ev["elementwise"]["max"] > 0.25
+    assert ev["rounded_operand"]["op"] in ("aten._to_copy.default", "<leaf>")
+    assert "exactly 0" in f.explanation and any("float32" in x.title for x in f.fixes)
