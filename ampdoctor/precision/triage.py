@@ -7,6 +7,8 @@ decides, from mechanisms, whether that diagnosis can find anything that changes 
 1. :func:`spec_reasons` -- what neither pass can stand for: a pure ``fp16``/``bf16`` run (every parameter, buffer,
    the batch and the optimizer state cast to 16 bits: lost updates, setup casts, 16-bit state), more than one step,
    an enabled ``GradScaler``, a user ``train_step``, transforms, 16-bit state already in the model or the optimizer,
+   16-bit tensors in the batch (the reference upcasts them, so code computing in the batch's dtype outside
+   autocast -- a noise schedule cast to the latents' dtype -- differs only in the target),
    a distributed process group (every rank must run the same collectives), modules declared fp32 for the
    format (``_keep_in_fp32_modules`` for fp16, ``_keep_in_fp32_modules_strict`` for both).
 2. :func:`reference_reasons` -- from the float32 run (the headroom run, which is also the diagnosis's reference):
@@ -39,6 +41,7 @@ from typing import Any
 
 import torch
 
+from ampdoctor.precision._contexts import map_batch
 from ampdoctor.precision._runner import RunResult
 from ampdoctor.precision._spec import StepSpec
 from ampdoctor.precision._step import Observer, StepLoop, prepare, saved_rng
@@ -91,6 +94,10 @@ def spec_reasons(spec: StepSpec) -> list[str]:
     low = sorted({str(t.dtype).replace("torch.", "") for t in _state(spec) if t.dtype in HALF_DTYPES})
     if low:
         out.append(f"the model or optimizer already holds {'/'.join(low)} state (lost updates, 16-bit parameters)")
+    low_in = _batch_low_dtypes(spec.batch)
+    if low_in:  # the reference upcasts them: code that casts to the batch's dtype (a schedule) runs fp32 there
+        out.append(f"the batch holds {'/'.join(sorted(low_in))} tensors: code computing in the batch's dtype "
+                   "outside autocast is judged by the full run")
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         out.append("a torch.distributed process group of several ranks: every rank runs the same diagnosis")
@@ -101,6 +108,18 @@ def spec_reasons(spec: StepSpec) -> list[str]:
         out.append(f"the model declares modules to keep in float32 for {spec.precision} ({', '.join(declared)}): "
                    "must-stay-fp32 turns a precision loss there into an error")
     return out
+
+
+def _batch_low_dtypes(batch: Any) -> set[str]:
+    found: set[str] = set()
+
+    def note(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype in HALF_DTYPES:
+            found.add(str(t.dtype).replace("torch.", ""))
+        return t
+
+    map_batch(batch, note)
+    return found
 
 
 def _state(spec: StepSpec) -> list[torch.Tensor]:
