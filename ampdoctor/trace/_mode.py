@@ -83,12 +83,6 @@ class OpRecord:
 
 
 @functools.cache
-def _arg_names(func: Any) -> tuple[str, ...]:
-    """The schema argument names of an op overload (where its literals sit), cached."""
-    return tuple(a.name for a in func._schema.arguments)
-
-
-@functools.cache
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -122,26 +116,60 @@ def _placeholder(t: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.float64, device=t.device)
 
 
-def _scalars(args: Any, kwargs: dict[str, Any]) -> tuple[float, ...]:
-    """The op's Python number arguments (``alpha``, ``scale``, ``eps``...), positional then keyword."""
-    return tuple(float(a) for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)) + tuple(
-        float(v) for v in kwargs.values() if isinstance(v, (int, float)) and not isinstance(v, bool))
+def _gather(args: Any, kwargs: dict[str, Any], write_only: frozenset[str]) -> tuple[list[torch.Tensor], list[float]]:
+    """One walk over an op's arguments: its tensors (nested in lists too; ``out=`` buffers are not inputs: their
+    memory is not data yet) and its Python number arguments (``alpha``, ``scale``, ``eps``...), positional then
+    keyword."""
+    ins: list[torch.Tensor] = []
+    scalars: list[float] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            ins.append(a)
+        elif isinstance(a, (list, tuple)):
+            _flat(a, ins)
+        elif isinstance(a, (int, float)) and not isinstance(a, bool):
+            scalars.append(float(a))
+    for k, v in kwargs.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            scalars.append(float(v))
+        elif k not in write_only:
+            _flat(v, ins)
+    return ins, scalars
 
 
-@dataclass(frozen=True)
-class _OpContext:
-    """What every floating output of one full-tier op shares: the op, where it ran, its inputs and arguments."""
+@dataclass(frozen=True, slots=True)
+class OpDesc:
+    """What the recording mode needs to know about one op overload, worked out once from its schema and the op
+    registry (:mod:`ampdoctor.trace._ops`) and looked up once per call."""
 
-    info: tuple[str, str, bool, bool]  # RecordingMode._op_info: name, base name, returns a view, mutates
-    node: Any
-    phase: str
-    module: str
-    in_idx: tuple[int, ...]
-    src: tuple[str, int] | None
-    scalars: tuple[float, ...]
-    literals: tuple[tuple[Literal, float], ...]
-    in_dtypes: tuple[str, ...]
-    index_src: tuple[int, ...] = ()
+    name: str  # ``aten.add.Tensor``
+    base: str  # ``add``
+    view: bool  # returns a view of an input
+    mutable: bool  # the schema writes an argument
+    write_only: frozenset[str]  # keyword-only arguments it writes into (``out=``): never read as inputs
+    arg_names: tuple[str, ...]  # schema argument names (where its literals sit)
+    literals: bool  # the registry declares literal arguments for it
+    writes: bool  # mutates, or writes running statistics its schema does not mark (:data:`HIDDEN_WRITES`)
+    uninit: bool  # its output memory is uninitialised
+    alias: bool  # its single output holds exactly its first input's elements
+    bounded: str | None  # the bound its outputs can reach (:data:`BOUNDED_OPS`)
+    collective: bool  # a ``c10d`` collective
+
+
+@functools.cache
+def op_desc(func: Any) -> OpDesc:
+    """The :class:`OpDesc` of an op overload, cached."""
+    schema = func._schema
+    base = func.overloadpacket.__name__
+    return OpDesc(
+        name=str(func), base=base,
+        view=not schema.is_mutable and len(schema.returns) == 1 and schema.returns[0].alias_info is not None,
+        mutable=schema.is_mutable,
+        write_only=frozenset(a.name for a in schema.arguments
+                             if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write),
+        arg_names=tuple(a.name for a in schema.arguments), literals=bool(op_info(base).literals),
+        writes=schema.is_mutable or base in HIDDEN_WRITES, uninit=base in UNINITIALISED, alias=base in ALIASES,
+        bounded=BOUNDED_OPS.get(base), collective=str(func).startswith("c10d."))
 
 
 class RecordingMode(TorchDispatchMode):
@@ -167,8 +195,6 @@ class RecordingMode(TorchDispatchMode):
         self.batch_ptrs: set[int] = set()
         self.enabled = True
         self.headroom = False
-        self._info: dict[Any, tuple[str, str, bool, bool]] = {}
-        self._wo: dict[Any, frozenset[str]] = {}
         self.scratch = Scratch()
         self._row_base = 0
         self._read_upto = 0
@@ -259,26 +285,6 @@ class RecordingMode(TorchDispatchMode):
         return idx
 
     # -- dispatch ------------------------------------------------------------------------------------------
-    def _op_info(self, func: Any) -> tuple[str, str, bool, bool]:
-        """``(name, base name, returns a view, mutates)`` of an op overload, cached."""
-        info = self._info.get(func)
-        if info is None:
-            schema = func._schema
-            view = (not schema.is_mutable and len(schema.returns) == 1
-                    and schema.returns[0].alias_info is not None)
-            info = (str(func), func.overloadpacket.__name__, view, schema.is_mutable)
-            self._info[func] = info
-        return info
-
-    def _write_only(self, func: Any) -> frozenset[str]:
-        """Keyword-only arguments an op writes into (``out=``): never read as inputs. Cached per overload."""
-        names = self._wo.get(func)
-        if names is None:
-            names = frozenset(a.name for a in func._schema.arguments
-                              if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
-            self._wo[func] = names
-        return names
-
     def _cheap(self, func: Any, args: Any, kwargs: Any) -> Any:
         """The cheap tier: one ``aminmax`` per floating output; views skipped (their base is recorded), and in
         the optimizer step only writes into parameter storage."""
@@ -289,8 +295,9 @@ class RecordingMode(TorchDispatchMode):
         except Exception as e:
             self._record_error(func, args, kwargs, node, phase, "", e)
             raise
-        op, base, view, mutable = self._op_info(func)
-        if view or base in UNINITIALISED or op.startswith("c10d."):
+        d = op_desc(func)
+        op, mutable = d.name, d.mutable
+        if d.view or d.uninit or d.collective:
             return out
         if phase == "optimizer":
             outs: list[torch.Tensor] = []
@@ -368,78 +375,75 @@ class RecordingMode(TorchDispatchMode):
         """The full tier: link the op's floating inputs to their records, run it, record its floating outputs."""
         node = _current_node()
         phase = self._phase(node)
-        ins: list[torch.Tensor] = []
-        _flat(args, ins)
-        write_only = self._write_only(func)
-        for k, v in kwargs.items():
-            if k not in write_only:  # ``out=`` buffers are not inputs: their memory is not data yet
-                _flat(v, ins)
+        d = op_desc(func)
+        ins, scalars = _gather(args, kwargs, d.write_only)
+        floats = [t for t in ins if t.is_floating_point()]
         module = self._module(node, phase, ins)
-        in_idx = tuple(self._input_index(t, phase, module) for t in ins if t.is_floating_point() and not t.is_meta)
-        info = self._op_info(func)
-        pending = self.writes.before(func, args, kwargs, node) if info[3] or info[1] in HIDDEN_WRITES else None
+        in_idx = tuple(self._input_index(t, phase, module) for t in floats if not t.is_meta)
+        pending = self.writes.before(func, args, kwargs, node) if d.writes else None
         try:
             out = func(*args, **kwargs)
         except Exception as e:
             self._record_error(func, args, kwargs, node, phase, module, e, in_idx)
             raise
         if pending is not None:
-            self.writes.after(pending, info[0], phase, module, self.step, len(self.records), user_frame())
-        outs: list[torch.Tensor] = []
-        _flat(out, outs)
-        if not outs and info[3]:
-            self._written(func, args, kwargs, outs)
+            self.writes.after(pending, d.name, phase, module, self.step, len(self.records), user_frame())
+        if type(out) is torch.Tensor:
+            outs = [out]
+        else:
+            outs = []
+            _flat(out, outs)
+            if not outs and d.mutable:
+                self._written(func, args, kwargs, outs)
         if outs:
-            base = info[1]
-            literals = literal_values(base, args, kwargs, _arg_names(func)) if op_info(base).literals else ()
-            ctx = _OpContext(info, node, phase, module, in_idx,
-                             user_frame() if phase == "forward" or self._loop_code(phase) else None,
-                             _scalars(args, kwargs), literals,
-                             tuple(_dtype_name(t.dtype) for t in ins if t.is_floating_point()),
-                             self.sketch.index_sources(ins))
+            shared = (user_frame() if phase == "forward" or self._loop_code(phase) else None, tuple(scalars),
+                      literal_values(d.base, args, kwargs, d.arg_names) if d.literals else (),
+                      tuple(_dtype_name(t.dtype) for t in floats),
+                      self.sketch.index_sources(ins) if len(floats) < len(ins) else ())
+            node_name = type(node).__name__ if node is not None else ""
             for pos, t in enumerate(outs):
                 if t.is_floating_point() and not t.is_meta:
-                    self._record_output(ctx, pos, t, len(outs))
+                    self._record_output(d, node, node_name, phase, module, in_idx, shared, pos, t, len(outs))
                 elif not t.is_meta:  # an integer output: its sources, and a decision's indices (trace._sample)
-                    self.sketch.integer(t, ctx.info[:2], module, phase, self.step, in_idx, ins, pos, args, kwargs)
+                    self.sketch.integer(t, (d.name, d.base), module, phase, self.step, in_idx, ins, pos, args,
+                                        kwargs)
         return out
 
-    def _record_output(self, ctx: _OpContext, pos: int, t: torch.Tensor, n_outs: int) -> None:
-        """One floating output of a full-tier op: a record, its statistics row (or a shared or placeholder one)."""
-        op, base, view, mutated = ctx.info
-        in_idx, phase = ctx.in_idx, ctx.phase
+    def _record_output(self, d: OpDesc, node: Any, node_name: str, phase: str, module: str, in_idx: tuple[int, ...],
+                       shared: tuple[Any, ...], pos: int, t: torch.Tensor, n_outs: int) -> None:
+        """One floating output of a full-tier op: a record, its statistics row (or a shared or placeholder one).
+
+        ``shared``: what every output of the op shares, ``(src, scalars, literals, input dtypes, index sources)``."""
         idx = len(self.records)
-        mod = (self._module(ctx.node, phase, [t]) or ctx.module) if phase == "optimizer" and n_outs > 1 \
-            else ctx.module
-        rec = OpRecord(idx, op, mod, phase, self.step, type(ctx.node).__name__ if ctx.node is not None else "",
-                       t.dtype, tuple(t.shape), in_idx, self._row_base + len(self.rows))
+        mod = (self._module(node, phase, [t]) or module) if phase == "optimizer" and n_outs > 1 else module
+        rec = OpRecord(idx, d.name, mod, phase, self.step, node_name, t.dtype, tuple(t.shape), in_idx,
+                       self._row_base + len(self.rows))
         rec.out_pos = pos
         first = self.records[in_idx[0]] if in_idx and in_idx[0] >= 0 else None
         # uninitialised memory and views of it (collective outputs keep their statistics: the rank agreement in
         # ampdoctor.precision._distributed reads them and tolerates either side of the asynchronous update)
-        uninit = base in UNINITIALISED or (view and first is not None and first.kind == "alloc")
-        if (first is not None and base in ALIASES and n_outs == 1
+        uninit = d.uninit or (d.view and first is not None and first.kind == "alloc")
+        if (first is not None and d.alias and n_outs == 1
                 and first.row >= self._row_base and first.dtype == t.dtype and first.kind != "alloc"
                 and not (self.headroom and (first.kind == "param" or first.phase == "optimizer"))):
             rec.row = first.row  # same elements: same statistics, no extra reductions
-            rec.src, rec.scalars, rec.literals, rec.input_dtypes = ctx.src, ctx.scalars, ctx.literals, ctx.in_dtypes
+            rec.src, rec.scalars, rec.literals, rec.input_dtypes = shared[:4]
         elif uninit:
             rec.kind = "alloc"
             self.rows.append(_placeholder(t, len(FULL_FIELDS) + (len(HEADROOM_FORMATS) if self.headroom else 0)))
         else:
-            rec.src, rec.scalars, rec.literals, rec.input_dtypes = ctx.src, ctx.scalars, ctx.literals, ctx.in_dtypes
-            rec.index_src = ctx.index_src
-            if phase == "optimizer" and not any(flushes_to_zero(v, t.dtype) for _, v in ctx.literals):
+            rec.src, rec.scalars, rec.literals, rec.input_dtypes, rec.index_src = shared
+            if phase == "optimizer" and not any(flushes_to_zero(v, t.dtype) for _, v in rec.literals):
                 self.rows.append(self._lite_row(t))  # (a literal 0 in the dtype: full counts, for literal rules)
             else:
                 if phase != "optimizer":
                     self.sketch.sample(t, rec.row, self.step, phase)
-                self.rows.append(self._full_row(t, BOUNDED_OPS.get(base)))
+                self.rows.append(self._full_row(t, d.bounded))
         self.records.append(rec)
         key = self.pins.key(t)
         if key is not None:
             self.producer[key] = idx
-            if mutated:
+            if d.mutable:
                 self.storage_writer[storage_id(key)] = idx
 
     def _lite_row(self, t: torch.Tensor) -> Any:

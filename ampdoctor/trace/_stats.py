@@ -60,6 +60,8 @@ class Scratch:
         self._float: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
         self._bool: dict[torch.device, torch.Tensor] = {}
         self._rows: dict[tuple[torch.device, int], list[Any]] = {}
+        self._views: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._bool_views: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def row(self, width: int, device: torch.device) -> torch.Tensor:
         """A fresh float64 vector of ``width`` elements (uninitialised), a row of a shared block."""
@@ -73,25 +75,47 @@ class Scratch:
         return row
 
     def floats(self, x: torch.Tensor, slot: int = 0) -> torch.Tensor:
-        """A buffer shaped like ``x`` (uninitialised); ``slot`` picks one of several live at once."""
-        key = (x.device, x.dtype, slot)
+        """A buffer shaped like ``x`` (uninitialised); ``slot`` picks one of several live at once.
+
+        The view for a shape is made once and handed out again (slicing and viewing per call cost more than the
+        ``abs`` of a small tensor); growing a buffer drops the views of the old one."""
+        dev = x.device
+        view_key = (dev, x.dtype, slot, x.shape)
+        view = self._views.get(view_key)
+        if view is not None:
+            return view
+        key = (dev, x.dtype, slot)
         buf = self._float.get(key)
         if buf is None or buf.numel() < x.numel():
-            buf = torch.empty(max(x.numel(), 1024), dtype=x.dtype, device=x.device)
+            buf = torch.empty(max(x.numel(), 1024), dtype=x.dtype, device=dev)
             self._float[key] = buf
-        return buf[: x.numel()].view(x.shape)
+            self._views = {k: v for k, v in self._views.items() if k[:3] != key}
+        view = buf[: x.numel()].view(x.shape)
+        self._views[view_key] = view
+        return view
 
     def bools(self, x: torch.Tensor) -> torch.Tensor:
-        buf = self._bool.get(x.device)
+        """A bool buffer shaped like ``x`` (uninitialised), its view cached per shape as in :meth:`floats`."""
+        dev = x.device
+        view_key = (dev, x.shape)
+        view = self._bool_views.get(view_key)
+        if view is not None:
+            return view
+        buf = self._bool.get(dev)
         if buf is None or buf.numel() < x.numel():
-            buf = torch.empty(max(x.numel(), 1024), dtype=torch.bool, device=x.device)
-            self._bool[x.device] = buf
-        return buf[: x.numel()].view(x.shape)
+            buf = torch.empty(max(x.numel(), 1024), dtype=torch.bool, device=dev)
+            self._bool[dev] = buf
+            self._bool_views = {k: v for k, v in self._bool_views.items() if k[0] != dev}
+        view = buf[: x.numel()].view(x.shape)
+        self._bool_views[view_key] = view
+        return view
 
     def clear(self) -> None:
         self._float.clear()
         self._bool.clear()
         self._rows.clear()
+        self._views.clear()
+        self._bool_views.clear()
 
 
 def _row(scratch: Scratch | None, parts: list[torch.Tensor] | None, values: list[float] | None,
@@ -110,12 +134,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else t
 
 
+_FINFO: dict[torch.dtype, torch.finfo] = {}
+
+
+def _finfo(dtype: torch.dtype) -> torch.finfo:
+    """``torch.finfo(dtype)``, made once per dtype (a fresh one per output cost as much as a small reduction)."""
+    fi = _FINFO.get(dtype)
+    if fi is None:
+        fi = _FINFO[dtype] = torch.finfo(dtype)
+    return fi
+
+
 def _prepare(t: torch.Tensor) -> tuple[torch.Tensor, torch.finfo]:
-    x = _local(t)
+    x = t if type(t) is torch.Tensor else _local(t)
     if x.requires_grad:  # below autograd (inside the dispatch mode) nothing requires grad: no detach op per output
         x = x.detach()
-    finfo = torch.finfo(x.dtype)
-    if x.dtype in _FP8:
+    dtype = x.dtype
+    finfo = _finfo(dtype)
+    if dtype in _FP8:
         x = x.float()
     if not x.is_contiguous():
         x = x.contiguous()
@@ -195,19 +231,36 @@ def _host_row(x: torch.Tensor, finfo: torch.finfo, bounded: str | None, sc: Scra
     on CPU than comparisons into a bool mask. The norm is one pass over ``x`` (``|x|**2 == x**2``, same order):
     every number is bit-identical to :func:`_device_row` (and :func:`flush_counts`)."""
     n = x.numel()
-    flat = x.reshape(-1) if n > CPU_CHUNK else x  # one chunk: any shape will do
-    absmax, min_nz = 0.0, math.inf
-    counts = [0, 0, 0, 0]  # zeros, subnormals, at max, at the op's bound
-    flushed = [0] * len(HEADROOM_FORMATS)
-    for start in range(0, n, CPU_CHUNK):
-        xc = flat[start:start + CPU_CHUNK] if n > CPU_CHUNK else flat
-        a = torch.abs(xc, out=sc.floats(xc))
+    if n <= CPU_CHUNK:  # one chunk (most outputs): no loop, and a range inside every bound needs no count at all
+        a = torch.abs(x, out=sc.floats(x))
         mn, mx = torch.aminmax(a)
-        lo, hi = mn.item(), mx.item()
+        hi = mx.item()
         if not math.isfinite(hi):
             return None
-        absmax = max(absmax, hi)
-        min_nz = min(min_nz, _chunk_counts(xc, a, lo, hi, finfo, bounded, sc, counts, flushed if flush else None))
+        lo = mn.item()
+        absmax = hi
+        counts = [0, 0, 0, 0]  # zeros, subnormals, at max, at the op's bound
+        flushed = [0] * len(HEADROOM_FORMATS)
+        if bounded is None and not flush and lo >= finfo.tiny and hi < finfo.max:
+            min_nz = lo
+        else:
+            min_nz = _chunk_counts(x, a, lo, hi, finfo, bounded, sc, counts, flushed if flush else None)
+        flat = x
+    else:
+        flat = x.reshape(-1)
+        absmax, min_nz = 0.0, math.inf
+        counts = [0, 0, 0, 0]
+        flushed = [0] * len(HEADROOM_FORMATS)
+        for start in range(0, n, CPU_CHUNK):
+            xc = flat[start:start + CPU_CHUNK]
+            a = torch.abs(xc, out=sc.floats(xc))
+            mn, mx = torch.aminmax(a)
+            lo, hi = mn.item(), mx.item()
+            if not math.isfinite(hi):
+                return None
+            absmax = max(absmax, hi)
+            min_nz = min(min_nz, _chunk_counts(xc, a, lo, hi, finfo, bounded, sc, counts,
+                                               flushed if flush else None))
     if bounded == "01":
         counts[3] += counts[0]
     norm = torch.linalg.vector_norm(flat, dtype=torch.float64 if flat.dtype == torch.float64 else torch.float32)
