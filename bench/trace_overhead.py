@@ -62,8 +62,8 @@ COMPONENTS = {
     "_writes.py:before": "write log: old values before a write",
     "_writes.py:after": "write log: applied update, exact re-run where needed",
     "_mode.py:read": "the one read-back",
-    "_mode.py:_key": "tensor identity (storage, offset, shape, stride, dtype)",
-    "_mode.py:_scalars": "the op's Python number arguments",
+    "_identity.py:tensor_key": "tensor identity (storage, offset, shape, stride, dtype)",
+    "_mode.py:_gather": "the op's tensor and Python number arguments (one walk)",
     "_sample.py:index_sources": "integer inputs' numeric sources (crash explanation)",
     "_modules.py:user_frame": "the user's source line (forward)",
 }
@@ -313,6 +313,81 @@ def profile_tiers(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dic
     return out
 
 
+#: what :func:`cost_split` times separately inside the full tier's dispatch (``(module, class, method)``)
+SPLIT_PARTS = {
+    "statistics (full rows)": ("ampdoctor.trace._mode", "RecordingMode", "_full_row"),
+    "statistics (lite rows)": ("ampdoctor.trace._mode", "RecordingMode", "_lite_row"),
+    "write log (before + after)": ("ampdoctor.trace._writes", "WriteLog", "before", "after"),
+    "element samples": ("ampdoctor.trace._sample", "Sketches", "sample"),
+}
+
+
+def cost_split(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Any],
+               rounds: int = 3) -> dict[str, Any]:
+    """Process CPU time (not wall time: less sensitive to a loaded machine) of one full-tier step split into the ops
+    themselves (timed inside a do-nothing dispatch mode's step), statistics, write log, samples, the rest of the
+    dispatch handler (lineage, records, arguments: "bookkeeping") and everything outside the handler (module hooks,
+    entering/leaving, the read-back, torch's dispatch glue). Wrapping adds a little to the parts it times. Median of
+    ``rounds`` steps."""
+    import importlib
+
+    clock = time.process_time
+    spent: dict[str, float] = {}
+    originals: list[tuple[Any, str, Any]] = []
+
+    def timed(label: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t0 = clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[label] = spent.get(label, 0.0) + clock() - t0
+        return wrapper
+
+    parts = {**SPLIT_PARTS, "dispatch": ("ampdoctor.trace._mode", "RecordingMode", "__torch_dispatch__")}
+    for label, (mod, cls_name, *methods) in parts.items():
+        cls = getattr(importlib.import_module(mod), cls_name)
+        for m in methods:
+            originals.append((cls, m, getattr(cls, m)))
+            setattr(cls, m, timed(label, getattr(cls, m)))
+
+    class OpsOnly(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            t0 = clock()
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                spent["ops"] = spent.get("ops", 0.0) + clock() - t0
+
+    runs: list[dict[str, float]] = []
+    try:
+        for i in range(rounds + 1):
+            spent.clear()
+            t0 = clock()
+            train_step(model, opt, batch)
+            plain = clock() - t0
+            with OpsOnly():
+                train_step(model, opt, batch)
+            ops = spent.pop("ops")
+            t0 = clock()
+            with ampdoctor.trace(model, opt, full=True) as t:
+                train_step(model, opt, batch)
+            t.result()
+            total = clock() - t0
+            if i == 0:
+                continue  # warm-up
+            row = {"plain": plain, "full": total, "ops": ops, **{k: spent.get(k, 0.0) for k in SPLIT_PARTS}}
+            row["bookkeeping"] = spent.get("dispatch", 0.0) - ops - sum(spent.get(k, 0.0) for k in SPLIT_PARTS)
+            row["outside the handler"] = total - spent.get("dispatch", 0.0)
+            runs.append(row)
+    finally:
+        for cls, m, fn in originals:
+            setattr(cls, m, fn)
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return {"rounds": rounds, "seconds": {k: round(v, 4) for k, v in med.items()},
+            "of_plain": {k: round(v / med["plain"], 3) for k, v in med.items()}}
+
+
 # -- reporting -------------------------------------------------------------------------------------------------
 def machine_info() -> dict[str, Any]:
     import transformers
@@ -417,6 +492,15 @@ def _profile_markdown(prof: dict[str, Any] | None) -> list[str]:
     for r in full["top_tottime"][:20]:
         lines.append(f"| `{r['function']}` | {r['calls']} | {r['tottime_s']} | {r['us_per_call']} |")
     lines.append("")
+    split = prof.get("split")
+    if split:
+        sec, rel = split["seconds"], split["of_plain"]
+        lines += [f"Full tier, where one step's CPU time goes (`cost_split`: process time, median of {split['rounds']} "
+                  "steps; each part as a multiple of the plain step's CPU time):", "",
+                  "| part | CPU s | × plain step |", "|---|---|---|"]
+        for k in sec:
+            lines.append(f"| {k} | {sec[k]} | {rel[k]:.2f} |")
+        lines.append("")
     return lines
 
 
@@ -488,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         print("[profile] cheap and full tier, small config")
         model, opt, batch = _models.build("small", args.device)
         doc["profile"] = profile_tiers(model, opt, batch)
+        doc["profile"]["split"] = cost_split(model, opt, batch)
         print(doc["profile"]["text"])
     with contextlib.suppress(OSError):
         doc["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]

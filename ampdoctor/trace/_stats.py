@@ -162,7 +162,6 @@ def _prepare(t: torch.Tensor) -> tuple[torch.Tensor, torch.finfo]:
 #: no device sync, and a host list costs a few float passes where the reduction path costs a dozen small ops. Every
 #: other device takes the reduction path, which never reads a value back during the step.
 HOST_DEVICES: frozenset[str] = frozenset({"cpu"})
-_OWN_NORM = frozenset({torch.float32, torch.float64})
 #: Elements per chunk of the host path (1 MiB of float32: the scratch stays in cache).
 CPU_CHUNK = 1 << 18
 
@@ -264,8 +263,9 @@ def _host_row(x: torch.Tensor, finfo: torch.finfo, bounded: str | None, sc: Scra
                                                flushed if flush else None))
     if bounded == "01":
         counts[3] += counts[0]
-    # (a float32 or float64 tensor is reduced in its own dtype: no dtype argument, the same bits, less dispatch)
-    norm = torch.linalg.vector_norm(flat) if flat.dtype in _OWN_NORM else torch.linalg.vector_norm(
+    # (a float32 or float64 tensor -- 4 bytes or more -- is reduced in its own dtype: no dtype argument, the same
+    # bits, less dispatch)
+    norm = torch.linalg.vector_norm(flat) if flat.dtype.itemsize >= 4 else torch.linalg.vector_norm(
         flat, dtype=torch.float32)
     row = [absmax, min_nz, 0.0, 0.0, 0.0, float(counts[0]), float(counts[1]), float(counts[2]), float(n),
            norm.item(), float(counts[3])]
