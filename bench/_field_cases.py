@@ -715,3 +715,19 @@ def flow_match(bad: bool) -> dict[str, Any]:
              "noise": torch.randn(16, 8, generator=g)}
     return {"model": FlowMatchTrainer(), "batch": batch, "precision": "bf16" if bad else "bf16-amp",
             "loss_fn": velocity_mse}
+
+
+@case("clip-half-adam-eps", "https://github.com/openai/CLIP/issues/40 (NaN values after a single gradient step: "
+      "clip.load gives fp16 weights, Adam's eps 1e-8 is 0 in fp16 and grad**2 underflows -> 0/0)",
+      ("low-precision-params", "text_model.embeddings.token_embedding", "aten.addcdiv_.default", "optimizer"))
+def clip_half_adam(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    m = _clip(math.log(100.0))
+    if bad:
+        m = m.half()  # what clip.load returns on a GPU
+    g = _gen(15)
+    pixels = torch.randn(4, 3, 8, 8, generator=g)
+    batch = {"input_ids": torch.randint(3, 64, (4, 6), generator=g),
+             "pixel_values": pixels.half() if bad else pixels, "return_loss": True}
+    return {"model": m, "batch": batch, "precision": None if bad else "fp16-amp", "steps": 2,
+            "optimizer": torch.optim.Adam(m.parameters(), lr=1e-5, eps=1e-8)}

@@ -92,8 +92,15 @@ def _optimizer_overflow(ctx: Context, r: OpRecord) -> Candidate:
     first = min((x.index for x in recs if x.phase == "optimizer" and x.step == r.step and x.module == r.module),
                 default=r.index)
     return Candidate(Finding("low-precision-params", "error", r.module, r.op, "optimizer",
-                             f"{r.module}: optimizer step on {dtype_name(r.dtype)} parameters overflows",
-                             expl, ev, fixes, r.step), first)
+                             _overflow_title(r, ev), expl, ev, fixes, r.step), first)
+
+
+def _overflow_title(r: OpRecord, ev: dict[str, Any]) -> str:
+    """What the step made (NaN from 0/0 is no overflow) and, when it is the cause, the eps the dtype cannot hold."""
+    dt = dtype_name(r.dtype)
+    made = "NaN" if not r.stats["n_posinf"] + r.stats["n_neginf"] else "inf/NaN"
+    cause = f": eps={ev['eps']:g} is 0 in {dt}" if ev.get("eps_in_dtype") == 0.0 and ev.get("eps") else ""
+    return f"{r.module}: optimizer step on {dt} parameters produces {made}{cause}"
 
 
 def _round_to(x: float, dt: str) -> float:

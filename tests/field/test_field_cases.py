@@ -244,3 +244,13 @@ def test_rounded_schedule_numbers(name: str, schedule: str, ts: torch.Tensor) ->
     assert ev["operand_absmax"] / ev["ref_absmax"] >= 16 and ev["elementwise"]["max"] > 0.25
     assert ev["rounded_operand"]["op"] in ("aten._to_copy.default", "<leaf>")
     assert "exactly 0" in f.explanation and any("float32" in x.title for x in f.fixes)
+
+
+def test_clip_half_adam_eps_numbers() -> None:
+    spec, report = _diagnose("clip-half-adam-eps", True)
+    f = report.findings[0]
+    ev = f.evidence
+    assert ev["optimizer"] == "Adam" and ev["eps"] == 1e-8 and ev["eps_in_dtype"] == 0.0
+    assert torch.tensor(1e-8, dtype=torch.float16).item() == 0.0 and torch.tensor(1e-4).half().item() > 0
+    assert "eps=1e-08 is 0 in float16" in f.title and "NaN" in f.title
+    assert any("eps=1e-4" in (x.snippet or "") for x in f.fixes)
