@@ -23,11 +23,11 @@ decides, from mechanisms, whether that diagnosis can find anything that changes 
 3. :func:`guard_step` -- the target step itself, on copies, under the cheap trace tier (one ``aminmax`` per op):
    it raised (a dtype mismatch under autocast, a literal that does not fit); any op output inf/NaN (also one
    absorbed downstream) of a kind (NaN, +inf, -inf) that its float32 twin (same phase, module, op and occurrence)
-   does not hold; an op the target computes in the low dtype whose float32 twin's nonzero values flush to 0 there
-   for more than a quarter (underflow; an op autocast keeps in float32, ``log_softmax``'s backward, flushes
-   nothing); the loss (or output |max|) off by more than 1% from float32; a parameter whose gradient
-   is exactly zero in the target and not in float32 (the saturation rule's error: dead gradients; its other
-   error, a pole turning the bound into inf, is an inf the guard sees).
+   does not hold; the loss (or output |max|) off by more than 1% from float32; a parameter whose gradient
+   is exactly zero in the target and not in float32. These are the error conditions of the rules that compare
+   the runs: saturation (dead gradients, or a pole's inf), underflow (dead gradients, the loss, an inf/NaN it feeds;
+   flushed values without such a consequence are a warning), overflow and nan-from-inf (an inf, also one a clamp
+   catches: the clamp's input holds it), precision-loss (a NaN from finite inputs, a loss off by 5%).
 
 Any reason runs the full diagnosis; none means the quick pass is the answer (the report says which). Warnings
 and infos the full diagnosis would add (precision-loss measures, decision changes) do not gate ``check``.
@@ -51,8 +51,6 @@ from ampdoctor.trace import HALF_DTYPES, Trace, dtype_limits, op_base, unit_roun
 QUICK: dict[str, torch.dtype] = {"fp16-amp": torch.float16, "bf16-amp": torch.bfloat16}
 #: a value this many bits below the format's max is still safe after the target's rounding (2x: one bit)
 MARGIN_BITS = 1.0
-#: share of an op's nonzero values flushed to 0 that triggers the diagnosis (the underflow rule reports > 1/2)
-FLUSH_SHARE = 0.25
 #: relative loss (or output |max|) deviation of the target from float32 that triggers the diagnosis
 LOSS_REL = 0.01
 #: at most this many reasons are kept (the first ones, in the order above)
@@ -241,8 +239,6 @@ def guard_step(spec: StepSpec, ref: RunResult, *, policy: str = "cuda") -> tuple
     out: list[str] = []
     if done.exc is not None:
         out.append(f"the {spec.precision} step raised {type(done.exc).__name__}: {str(done.exc)[:200]}")
-    low = QUICK[str(spec.precision)]
-    fmt = "fp16" if low == torch.float16 else "bf16"
     twins = _occurrences(ref.trace.records)
     seen: dict[tuple[str, str, str], int] = {}
     for r in res.records:
@@ -254,10 +250,6 @@ def guard_step(spec: StepSpec, ref: RunResult, *, policy: str = "cuda") -> tuple
         if not (math.isfinite(lo) and math.isfinite(hi)) and not _same_kinds(lo, hi, twin):
             out.append(f"{where} made inf/NaN in the {spec.precision} step that its float32 twin does not hold")
             break
-        share = _flushed(twin, fmt) if r.dtype == low else 0.0
-        if share > FLUSH_SHARE and len(out) < MAX_REASONS:
-            out.append(f"{where} runs in {fmt} in the {spec.precision} step, and {share:.0%} of its float32 twin's "
-                       f"nonzero values flush to 0 in {fmt}")
     loss = done.losses[0] if done.losses else None
     ref_loss = ref.losses[0] if ref.losses else None
     if loss is not None and ref_loss is not None and _rel(loss, ref_loss) > LOSS_REL:
@@ -282,14 +274,6 @@ def _occurrences(records: list[Any]) -> dict[tuple[str, str, str, int], dict[str
         n = seen[key] = seen.get(key, -1) + 1
         out[(*key, n)] = r.stats
     return out
-
-
-def _flushed(twin: dict[str, float] | None, fmt: str) -> float:
-    """Share of a float32 record's nonzero values that flush to 0 in ``fmt`` (the headroom run counts them)."""
-    if not twin:
-        return 0.0
-    nonzero = twin.get("numel", 0.0) - twin.get("n_zero", 0.0)
-    return twin.get(f"flush_{fmt}", 0.0) / nonzero if nonzero > 0 else 0.0
 
 
 def _same_kinds(lo: float, hi: float, twin: dict[str, float] | None) -> bool:
