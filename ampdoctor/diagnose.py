@@ -36,7 +36,13 @@ from ampdoctor.precision import (
     saved_rng,
     spec_from_module,
 )
-from ampdoctor.precision.headroom import Headroom, headroom_from_run, headroom_spec, shares_reference
+from ampdoctor.precision.headroom import (
+    Headroom,
+    headroom_from_run,
+    headroom_run_spec,
+    headroom_spec,
+    shares_reference,
+)
 from ampdoctor.precision.triage import Triage, guard_step, reference_reasons, spec_reasons
 
 log = logging.getLogger(__name__)
@@ -157,36 +163,36 @@ class CheckResult:
 
 def headroom_and_check(spec: StepSpec, *, policy: str = "cuda", progress: Any = None,
                        full: bool = False) -> CheckResult:
-    """``ampdoctor check`` in two tiers: the float32 headroom run, then the full diagnosis only where a mechanism
-    it judges can apply (:mod:`ampdoctor.precision.triage`: the spec, the float32 run's ranges, constants and
-    coverage, then one target step under the cheap trace tier). ``full=True`` always diagnoses. The float32 run
-    is the diagnosis's reference when it runs (:func:`~ampdoctor.precision.headroom.shares_reference`)."""
+    """``ampdoctor check`` in two tiers (:mod:`ampdoctor.precision.triage`). Where the spec alone calls for the full
+    diagnosis (or ``full=True``), :func:`headroom_and_diagnose` (one float32 run for headroom and the reference).
+    Otherwise the quick pass: ``ampdoctor headroom``'s float32 run (no optimizer step: the cheapest traced run),
+    its mechanisms, then one target step under the cheap trace tier; only a reason found there runs the full
+    diagnosis, with its own reference run (the headroom run has no optimizer step to stand for)."""
     def phase(name: str) -> None:
         log.info("check: %s", name)
         if progress is not None:
             progress(name)
 
-    if not shares_reference(spec):
-        why = tuple(spec_reasons(spec)) or ("the headroom run cannot double as the diagnosis's reference",)
+    pre = ["the full diagnosis was asked for"] if full else spec_reasons(spec)
+    if pre:
         h, report = headroom_and_diagnose(spec, policy=policy, progress=progress)
-        return CheckResult(h, report, Triage(spec.precision, why))
+        return CheckResult(h, report, Triage(spec.precision, tuple(pre)))
     phase("headroom")
+    hspec = headroom_run_spec(spec)
     with saved_rng():
-        reference = run(spec, reference=True, policy=policy, headroom=True)
-    h = headroom_from_run(spec, reference)
-    reasons = ["the full diagnosis was asked for"] if full else spec_reasons(spec)
-    if not reasons:
-        reasons = reference_reasons(reference, str(spec.precision))
+        href = run(hspec, reference=True, headroom=True)
+    h = headroom_from_run(hspec, href)
+    reasons = reference_reasons(href, str(spec.precision))
     info: dict[str, Any] = {}
     if not reasons:
         phase("guard")
-        reasons, info = guard_step(spec, reference, policy=policy)
+        reasons, info = guard_step(spec, href, policy=policy)
     triage = Triage(spec.precision, tuple(reasons), info)
     if not triage.full:
         phase("done")
         return CheckResult(h, None, triage)
     log.info("check: full diagnosis: %s", "; ".join(reasons))
-    return CheckResult(h, diagnose_spec(spec, policy=policy, progress=progress, reference=reference), triage)
+    return CheckResult(h, diagnose_spec(spec, policy=policy, progress=progress), triage)
 
 
 def _raise_unexplained_crash(spec: StepSpec, target: RunResult, findings: list[Finding]) -> None:

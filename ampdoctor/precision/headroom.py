@@ -122,12 +122,18 @@ def headroom(model: Any, batch: Any = None, *, loss_fn: Any = None, train_step: 
 
 
 def headroom_spec(spec: StepSpec) -> Headroom:
-    from dataclasses import replace
-
-    spec = replace(spec, steps=1, optimizer=None, scaler=None, precision=None)
+    spec = headroom_run_spec(spec)
     with saved_rng():
         res = run(spec, reference=True, headroom=True)
     return headroom_from_run(spec, res)
+
+
+def headroom_run_spec(spec: StepSpec) -> StepSpec:
+    """The spec :func:`headroom_spec` runs (traced, ``headroom=True``): ``spec``'s first forward and backward in
+    float32, no optimizer step, no loss scaler."""
+    from dataclasses import replace
+
+    return replace(spec, steps=1, optimizer=None, scaler=None, precision=None)
 
 
 def shares_reference(spec: StepSpec) -> bool:

@@ -6,12 +6,14 @@ decides, from mechanisms, whether that diagnosis can find anything that changes 
 
 1. :func:`spec_reasons` -- what neither pass can stand for: a pure ``fp16``/``bf16`` run (every parameter, buffer,
    the batch and the optimizer state cast to 16 bits: lost updates, setup casts, 16-bit state), more than one step,
-   an enabled ``GradScaler``, a user ``train_step``, transforms, 16-bit state already in the model or the optimizer,
+   an enabled ``GradScaler``, a user ``train_step``, transforms, trainable parameters outside the optimizer, 16-bit
+   state already in the model or the optimizer,
    16-bit tensors in the batch (the reference upcasts them, so code computing in the batch's dtype outside
    autocast -- a noise schedule cast to the latents' dtype -- differs only in the target),
-   a distributed process group (every rank must run the same collectives), modules declared fp32 for the
+   a process group of several ranks (every rank must run the same collectives), modules declared fp32 for the
    format (``_keep_in_fp32_modules`` for fp16, ``_keep_in_fp32_modules_strict`` for both).
-2. :func:`reference_reasons` -- from the float32 run (the headroom run, which is also the diagnosis's reference):
+2. :func:`reference_reasons` -- from the float32 run of ``ampdoctor headroom`` (forward and backward, no optimizer
+   step: an inf the update makes is the guard step's to see):
    a crash or a non-finite loss; NaN or float32's max in float32 (sentinels such as ``finfo(float32).min``, masked
    rows), an inf in float32 that reaches the backward, the optimizer or a forward-only output (a forward inf that
    is absorbed, T5's ``log(0)`` of its position buckets, is left to the guard step's comparison); a forward/backward
@@ -89,6 +91,11 @@ def spec_reasons(spec: StepSpec) -> list[str]:
         out.append("a user train_step: its own code (clipping, scaling, updates) is judged by the full run")
     if spec.transforms:
         out.append("transforms (a fix being verified)")
+    if spec.optimizer is not None:
+        stepped = {id(p) for g in spec.optimizer.param_groups for p in g["params"]}
+        left = [n for n, p in spec.model.named_parameters() if p.requires_grad and id(p) not in stepped]
+        if left:
+            out.append(f"{len(left)} trainable parameter(s) are not in the optimizer ({left[0]}, ...)")
     low = sorted({str(t.dtype).replace("torch.", "") for t in _state(spec) if t.dtype in HALF_DTYPES})
     if low:
         out.append(f"the model or optimizer already holds {'/'.join(low)} state (lost updates, 16-bit parameters)")
@@ -163,7 +170,7 @@ def reference_reasons(ref: RunResult, precision: str) -> list[str]:
     cov = ref.coverage[0] if ref.coverage and not ref.forward_only else []
     unused = [p.name for p in cov if p.grad_none or not p.in_optimizer]
     if unused:
-        out.append(f"{len(unused)} trainable parameter(s) get no gradient or no optimizer step ({unused[0]}, ...)")
+        out.append(f"{len(unused)} trainable parameter(s) get no gradient ({unused[0]}, ...)")
     return out[:MAX_REASONS]
 
 

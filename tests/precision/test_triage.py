@@ -82,7 +82,7 @@ def test_healthy_model_takes_the_quick_pass_and_the_full_diagnosis_agrees(kind: 
 
 
 def test_the_quick_pass_runs_no_full_target_trace(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Healthy: one full-tier run (the fp32 headroom run) and the guard step; no full-tier target run."""
+    """Healthy: one full-tier run (``ampdoctor headroom``'s fp32 run) and the guard step; no full-tier target run."""
     mod = importlib.import_module("ampdoctor.diagnose")
     calls: list[bool] = []
     real = mod.run
@@ -95,7 +95,10 @@ def test_the_quick_pass_runs_no_full_target_trace(monkeypatch: pytest.MonkeyPatc
     assert headroom_and_check(_spec()).report is None
     assert calls == [True]
     calls.clear()
-    res = headroom_and_check(_spec(scale=40000.0))  # flagged: the target's full run follows, same reference
+    res = headroom_and_check(_spec(scale=40000.0))  # flagged by the fp32 pass: the full diagnosis follows
+    assert calls == [True, True, False] and res.report is not None
+    calls.clear()
+    res = headroom_and_check(_spec(), full=True)  # flagged before anything runs: one fp32 run for both
     assert calls == [True, False] and res.report is not None
 
 
@@ -165,6 +168,9 @@ def test_spec_features_the_quick_pass_cannot_stand_for(change: dict[str, Any], r
 
 
 def test_sixteen_bit_state_and_declared_fp32_modules_are_spec_reasons() -> None:
+    spec = _spec()
+    spec.optimizer.param_groups[0]["params"] = spec.optimizer.param_groups[0]["params"][:2]
+    assert any("not in the optimizer (down.weight" in r for r in spec_reasons(spec))
     spec = _spec()
     spec.model.down.half()
     assert any("float16 state" in r for r in spec_reasons(spec))
