@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from ampdoctor.findings._buffer_origins import buffer_candidates
 from ampdoctor.findings._clamps import caught_candidates
 from ampdoctor.findings._clamps import handled as caught_handled
@@ -17,6 +19,7 @@ from ampdoctor.findings._common import (
     feeders,
     fmt,
     group_by_owner,
+    is_low,
     keep_fp32_fix,
     limits,
     op_base,
@@ -358,7 +361,10 @@ def _finfo_fix(module: str) -> FixProposal:
 def nonfinite_input(ctx: Context) -> list[Candidate]:
     """inf/NaN present in the data fed to the model (or in a parameter as loaded): no op made them, so no
     precision change can fix it. Check the data pipeline (division by a zero std, log of 0) or the
-    checkpoint."""
+    checkpoint. A 16-bit parameter that the optimizer updates in its own dtype is the exception: the previous
+    step's update is the likely writer (Adam's ``eps`` 1e-8 is 0 in fp16: where ``grad**2`` flushes, the update
+    divides by zero), so the finding carries ``optimizer``, ``eps`` and ``eps_in_dtype`` and proposes fp32 master
+    weights -- what a watch's replay of the next step sees."""
     out: list[Candidate] = []
     for o in ctx.origins:
         r = o.record
@@ -376,13 +382,46 @@ def nonfinite_input(ctx: Context) -> list[Candidate]:
             module, phase, title = "", "forward", "the batch contains non-finite values"
             what = f"an input tensor of shape {list(r.shape)}"
         expl = (f"{what} holds {n_nan} NaN and {n_inf} inf of {int(s['numel'])} values before any op ran; "
-                f"{'it ' + o.reasons[0] if o.harmful else 'it is absorbed downstream'}. No precision setting fixes "
-                "this: clean the data (or the checkpoint).")
-        fix = FixProposal("find where the data gets non-finite and drop or repair those samples",
-                          "assert torch.isfinite(batch['x']).all(), 'non-finite input'")
+                f"{'it ' + o.reasons[0] if o.harmful else 'it is absorbed downstream'}.")
+        fixes: tuple[FixProposal, ...] = (FixProposal(
+            "find where the data gets non-finite and drop or repair those samples",
+            "assert torch.isfinite(batch['x']).all(), 'non-finite input'"),)
+        writer = _low_precision_updater(ctx, r) if r.kind == "param" else None
+        if writer is not None:
+            ev.update(writer)
+            expl += (f" It is a {ev['dtype']} parameter that {writer['optimizer']} updates in its own dtype, so the "
+                     "previous step's update is the prime suspect, not the checkpoint" + (
+                         f": eps={writer['eps']:g} is 0 in {ev['dtype']}, so where grad**2 underflows the update "
+                         "divides by zero" if writer.get("eps_in_dtype") == 0.0 else "") +
+                     ". Diagnose the step before this one (or run that step with ampdoctor.diagnose).")
+            fixes = (propose("fp32-master"), FixProposal(
+                "if the weights must stay low precision, use an eps the dtype can hold",
+                "torch.optim.Adam(params, eps=1e-4)  # fp16 holds 1e-4, not 1e-8")) + fixes
+        else:
+            expl += " No precision setting fixes this: clean the data (or the checkpoint)."
         out.append(Candidate(Finding(
             "nonfinite-input", "error" if o.harmful else "warning", module, "", phase,
-            title, expl, ev, (fix,), r.step), SETUP_INPUT if o.harmful else r.index))
+            title, expl, ev, fixes, r.step), SETUP_INPUT if o.harmful else r.index))
+    return out
+
+
+def _low_precision_updater(ctx: Context, r: OpRecord) -> dict[str, Any] | None:
+    """``{optimizer, eps, eps_in_dtype}`` when the non-finite parameter is 16-bit and in the optimizer, whose
+    update then runs in that dtype (the likely writer of an inf/NaN found before the step); else None."""
+    opt = ctx.spec.optimizer
+    if opt is None or not is_low(r.dtype) or not r.name:
+        return None
+    try:
+        p = ctx.spec.model.get_parameter(r.name)
+    except (AttributeError, TypeError):
+        return None
+    if not any(q is p for g in opt.param_groups for q in g["params"]):
+        return None
+    out: dict[str, Any] = {"optimizer": type(opt).__name__}
+    eps = opt.defaults.get("eps")
+    if isinstance(eps, float):
+        out["eps"] = eps
+        out["eps_in_dtype"] = float(torch.tensor(eps).to(p.dtype).float())
     return out
 
 
