@@ -131,3 +131,21 @@ def test_old_values_live_in_reused_buffers_given_back_after_the_rows() -> None:
         assert pending.old == [None]
     assert ptrs[0] == ptrs[1]
     assert math.isinf(row[5])
+
+
+@pytest.mark.parametrize("factor", [1 - 2.0 ** -25, 0.5])
+def test_a_foreach_write_borrows_one_buffer_and_counts_as_the_whole_rerun(factor: float) -> None:
+    """A multi-tensor write (``_foreach_mul_``) keeps its tensors' old values as views into one borrowed buffer per
+    dtype: its rows equal the whole re-run's, whether every element changed (0.5) or none did (all updates lost)."""
+    def rows(defer: bool) -> list[list[float]]:
+        ts = [torch.randn(n, generator=torch.Generator().manual_seed(n)) * 10 for n in (10, 300, 7)]
+        func, args = aten._foreach_mul_.Scalar, (ts, factor)
+        pending = PendingWrite(func, args, {}, ts, defer=defer, buffers=OldValues())
+        if defer:
+            assert len({o.untyped_storage().data_ptr() for o in pending.old}) == 1
+        func(*args)
+        return [r if isinstance(r, list) else r.tolist() for r in pending.rows(False)]
+    fast, whole = rows(True), rows(False)
+    for f, w in zip(fast, whole):
+        assert f[:4] == w[:4] and f[5] == pytest.approx(w[5], rel=1e-12)
+    assert [r[2] for r in whole] == ([10.0, 300.0, 7.0] if factor != 0.5 else [0.0, 0.0, 0.0])
