@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's ampdoctor
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _models  # noqa: E402
 
