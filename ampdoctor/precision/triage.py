@@ -47,10 +47,12 @@ from ampdoctor.precision._contexts import map_batch
 from ampdoctor.precision._runner import RunResult
 from ampdoctor.precision._spec import StepSpec
 from ampdoctor.precision._step import Observer, StepLoop, prepare, saved_rng
-from ampdoctor.trace import HALF_DTYPES, Trace, dtype_limits, op_base, unit_roundoff
+from ampdoctor.trace import HALF_DTYPES, Trace, dtype_info, dtype_limits, op_base, unit_roundoff
 
-#: the precisions the quick pass can judge, and their low dtype (autocast keeps fp32 parameters and state)
-QUICK: dict[str, torch.dtype] = {"fp16-amp": torch.float16, "bf16-amp": torch.bfloat16}
+#: the precisions the quick pass can judge, and their low dtype (autocast keeps fp32 parameters and state); the
+#: dtype comes from the dtype registry (``fp16-amp`` -> ``fp16``), not a table of our own
+QUICK: dict[str, torch.dtype] = {p: dtype_info(p.removesuffix("-amp")).dtype  # type: ignore[union-attr]
+                                 for p in ("fp16-amp", "bf16-amp")}
 #: a value this many bits below the format's max is still safe after the target's rounding (2x: one bit)
 MARGIN_BITS = 1.0
 #: relative loss (or output |max|) deviation of the target from float32 that triggers the diagnosis
