@@ -731,3 +731,184 @@ def clip_half_adam(bad: bool) -> dict[str, Any]:
              "pixel_values": pixels.half() if bad else pixels, "return_loss": True}
     return {"model": m, "batch": batch, "precision": None if bad else "fp16-amp", "steps": 2,
             "optimizer": torch.optim.Adam(m.parameters(), lr=1e-5, eps=1e-8)}
+
+
+# ------------------------------------------------------------------ round 3: SSM scan, hand-written norms, LoRA
+class CumsumScan(nn.Module):
+    """A selective scan with two cumulative sums instead of a loop (mamba-tiny's form):
+    ``h_t = exp(cs_t) * sum_s x_s dt_s / exp(cs_s)`` with ``cs = cumsum(dt * A)``, A < 0."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.dt_proj = nn.Linear(d, d)
+        self.A_log = nn.Parameter(torch.zeros(d))
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = F.softplus(self.dt_proj(x))
+        cs = torch.cumsum(dt * -torch.exp(self.A_log), 1)
+        decay = torch.exp(cs)
+        return self.out(torch.cumsum(x * dt / decay, 1) * decay)
+
+
+class ScanNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.mixer = CumsumScan()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mixer(self.embed(x)))
+
+
+@case("ssm-exp-cumsum-fp16", "https://github.com/MzeroMiko/mamba-mini/issues/6 (SelectiveScanEasy forward NaN: "
+      "dtBus / rAts where rAts = exp(cumsum(dt * A)) is 0); johnma2006/mamba-minimal#18 (the two-cumsum scan)",
+      ("underflow", "mixer", "aten.exp.default", "forward"))
+def ssm_exp_cumsum(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    m = ScanNet()
+    with torch.no_grad():  # A = -1: the cumulative log-decay reaches -22 over 32 steps, exp(-22) < 2**-24
+        m.mixer.A_log.fill_(0.0 if bad else -2.5)
+    return {"model": m, "batch": torch.randn(2, 32, 8, generator=_gen(21)), "precision": "fp16",
+            "loss_fn": mean_square}
+
+
+class HandGroupNorm(nn.Module):
+    """GroupNorm written out: ``var = mean((x - mean)**2)`` per group, squared in the input's dtype."""
+
+    def __init__(self, groups: int = 8, channels: int = 32, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.groups, self.eps = groups, eps
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        xg = x.reshape(b, self.groups, -1)
+        mean = xg.mean(-1, keepdim=True)
+        var = (xg - mean).pow(2).mean(-1, keepdim=True)
+        xg = (xg - mean) / torch.sqrt(var + self.eps)
+        return xg.reshape(b, c, h, w) * self.weight[:, None, None] + self.bias[:, None, None]
+
+
+class ConvNormDecoder(nn.Module):
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.conv_in = nn.Conv2d(4, 32, 3, padding=1)
+        self.norm = norm
+        self.conv_out = nn.Conv2d(32, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv_out(F.silu(self.norm(self.conv_in(x))))
+
+
+def conv_norm_decoder(bad: bool, norm: nn.Module) -> dict[str, Any]:
+    torch.manual_seed(0)
+    m = ConvNormDecoder(norm)
+    with torch.no_grad():  # conv activations ~6e3 (a VAE decoder's mid block): squares ~3e7 > 65504
+        m.conv_in.weight.mul_(3000.0 if bad else 1.0)
+    return {"model": m, "batch": torch.randn(2, 4, 8, 8, generator=_gen(22)), "precision": "fp16",
+            "loss_fn": mean_square}
+
+
+@case("hand-groupnorm-fp16", "https://github.com/neuroneural/brainchop-cli/pull/56 (fp16 GroupNorm: the "
+      "per-element square runs in f16, conv outputs > 256 overflow to inf before the accumulation); "
+      "keras-team/keras#22666 (GroupNormalization NaN under mixed_float16)",
+      ("overflow", "norm", "aten.pow.Tensor_Scalar", "forward"))
+def hand_groupnorm(bad: bool) -> dict[str, Any]:
+    return conv_norm_decoder(bad, HandGroupNorm())
+
+
+class HandWeightNorm(nn.Module):
+    """``w = g * v / ||v||`` per output row, written out (a re-implemented weight norm), in the weights' dtype."""
+
+    def __init__(self, n_in: int = 64, n_out: int = 64) -> None:
+        super().__init__()
+        lin = nn.Linear(n_in, n_out)
+        self.v = nn.Parameter(lin.weight.detach().clone())
+        self.g = nn.Parameter(lin.weight.detach().norm(dim=1, keepdim=True))
+        self.bias = nn.Parameter(lin.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.g * self.v / self.v.norm(dim=1, keepdim=True), self.bias)
+
+
+class NormedProjNet(nn.Module):
+    def __init__(self, proj: nn.Module) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 64)
+        self.proj = proj
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.leaky_relu(self.proj(F.leaky_relu(self.inp(x)))))
+
+
+@case("hand-weight-norm-fp16", "https://github.com/apache/mxnet/issues/11403 (L2 norm of an fp16 array goes to "
+      "NaN: the squared sum is out of range); facebookresearch/fairscale#263 (grad norm 5000**2 overflows fp16); "
+      "weight norm's v grows during training (its gradient is orthogonal to v)",
+      ("overflow", "proj", "aten.linalg_vector_norm.default", "forward"))
+def hand_weight_norm(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    m = NormedProjNet(HandWeightNorm())
+    with torch.no_grad():  # |v| entries up to 1.9e4 (fit fp16), row norms ~9e4 (do not)
+        m.proj.v.mul_(1.5e5 if bad else 1.0)
+    return {"model": m, "batch": torch.randn(4, 16, generator=_gen(23)), "precision": "fp16",
+            "loss_fn": mean_square}
+
+
+@case("spectral-norm-power-iteration-fp16", "torch.nn.utils.parametrizations.spectral_norm in fp16: the power "
+      "iteration's normalize(W v) takes the norm of W v in fp16 (apache/mxnet#11403: fp16 L2 norm out of range; "
+      "NVIDIA/apex#181: spectral_norm under amp)",
+      ("overflow", "proj.parametrizations.weight.0", "aten.linalg_vector_norm.default", "forward"))
+def spectral_norm_fp16(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    m = NormedProjNet(nn.utils.parametrizations.spectral_norm(nn.Linear(64, 64)))
+    with torch.no_grad():  # an unnormalized weight of entries ~1e4: ||W v|| ~ 1e5 > 65504
+        m.proj.parametrizations.weight.original.mul_(1.5e5 if bad else 1.0)
+    return {"model": m, "batch": torch.randn(4, 16, generator=_gen(23)), "precision": "fp16",
+            "loss_fn": mean_square}
+
+
+class LoRALinear(nn.Module):
+    """peft's form: a frozen base plus ``B(A(x)) * alpha / r``, B zero-initialized."""
+
+    def __init__(self, base: nn.Linear, r: int = 4, alpha: float = 8.0) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_A = nn.Linear(base.in_features, r, bias=False)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+        self.scaling = alpha / r
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_B(self.lora_A(x)) * self.scaling
+
+
+class LoRANet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32).requires_grad_(False)
+        self.q = LoRALinear(nn.Linear(32, 32))
+        self.head = nn.Linear(32, 4).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.gelu(self.q(F.gelu(self.inp(x.to(self.inp.weight.dtype))))))
+
+
+@case("lora-fp16-adapters-adam", "https://github.com/kohya-ss/sd-scripts/issues/1914 (LoRA with full_fp16: "
+      "training runs but the result has no effect); huggingface/diffusers#6119 (fp16 LoRA training: the adapter "
+      "parameters must be float32, cast_training_params)",
+      ("low-precision-params", "q.lora_A", "aten.addcdiv_.default", "optimizer"))
+def lora_fp16(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    m = LoRANet().half()  # the base loaded in fp16
+    if not bad:
+        m.q.lora_A.float()  # the fix: trainable adapter weights in float32, the step under autocast
+        m.q.lora_B.float()
+    params = [p for p in m.parameters() if p.requires_grad]
+    return {"model": m, "batch": torch.randn(8, 16, generator=_gen(24)).half(),
+            "precision": None if bad else "fp16-amp", "steps": 2, "loss_fn": mean_square,
+            "optimizer": torch.optim.AdamW(params, lr=1e-4)}
