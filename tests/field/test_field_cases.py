@@ -254,3 +254,44 @@ def test_clip_half_adam_eps_numbers() -> None:
     assert torch.tensor(1e-8, dtype=torch.float16).item() == 0.0 and torch.tensor(1e-4).half().item() > 0
     assert "eps=1e-08 is 0 in float16" in f.title and "NaN" in f.title
     assert any("eps=1e-4" in (x.snippet or "") for x in f.fixes)
+
+
+def test_ssm_exp_cumsum_numbers() -> None:
+    spec, report = _diagnose("ssm-exp-cumsum-fp16", True)
+    ev = report.findings[0].evidence
+    mixer = spec["model"].mixer
+
+    def decay(a: Any, o: Any) -> torch.Tensor:
+        dt = torch.nn.functional.softplus(mixer.dt_proj(a[0]))
+        return torch.exp(torch.cumsum(dt * -torch.exp(mixer.A_log), 1))
+
+    d = _fp32_forward(spec, mixer, decay)
+    below = int((d < 2.0**-25).sum())  # rounds to 0 in fp16 (half the smallest subnormal)
+    assert below > 0 and d.min().item() == pytest.approx(ev["ref_min_nonzero"], rel=1e-2)
+    assert ev["pole_op"] == "aten.div.Tensor" and ev["n_flushed"] == pytest.approx(below, abs=below * 0.1 + 2)
+
+
+def test_hand_groupnorm_numbers() -> None:
+    spec, report = _diagnose("hand-groupnorm-fp16", True)
+    ev = report.findings[0].evidence
+
+    def squares(a: Any, o: Any) -> torch.Tensor:
+        xg = a[0].reshape(a[0].shape[0], 8, -1)
+        return (xg - xg.mean(-1, keepdim=True)).pow(2)
+
+    sq = _fp32_forward(spec, spec["model"].norm, squares)
+    assert ev["ref_absmax"] == pytest.approx(sq.max().item(), rel=1e-2)
+    assert ev["n_inf"] == pytest.approx(int((sq > 65520).sum()), abs=20)  # rounds to inf in fp16 above 65520
+
+
+def test_weight_norms_numbers() -> None:
+    spec, report = _diagnose("hand-weight-norm-fp16", True)
+    ev = report.findings[0].evidence
+    v = spec["model"].proj.v.detach()
+    assert v.abs().max().item() < 65504 and ev["ref_absmax"] == pytest.approx(v.norm(dim=1).max().item(), rel=1e-3)
+    assert ev["n_inf"] == int((v.norm(dim=1) > 65520).sum())
+    spec, report = _diagnose("spectral-norm-power-iteration-fp16", True)
+    ev = report.findings[0].evidence
+    p = spec["model"].proj.parametrizations.weight[0]
+    w = spec["model"].proj.parametrizations.weight.original.detach()
+    assert ev["ref_absmax"] == pytest.approx((w @ p._v).norm().item(), rel=1e-2)  # ||W v|| of the power iteration
