@@ -13,7 +13,9 @@ is called.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import logging
 import os
 from typing import Any, Literal
 
@@ -28,11 +30,14 @@ from ampdoctor.watch._options import KINDS, ON_ANOMALY, AnomalyError, OnAnomaly,
 from ampdoctor.watch._params import unwrap_optimizer
 from ampdoctor.watch._payload import build_payload, copy_without_hooks
 from ampdoctor.watch._policy import Anomaly, AnomalyPolicy
+from ampdoctor.watch._prestate import moved_to, nonfinite_state, prior_payload
 from ampdoctor.watch._ranks import RankAgreement, is_sharded
 from ampdoctor.watch._report import build_report, precision_of
 from ampdoctor.watch._scaler import GradScalerView
 from ampdoctor.watch._sinks import ScalarSink, Sinks
 from ampdoctor.watch._steps import StepTracker
+
+log = logging.getLogger("ampdoctor.watch")
 
 
 class Watch:
@@ -72,7 +77,7 @@ class Watch:
         self._tracker = StepTracker(model, optimizer, GradScalerView(self.scaler) if self.scaler is not None
                                     else None, options, self._sinks, self._health)
         self._policy = AnomalyPolicy(options, self._sinks, payload=self._payload, copy_model=self._copy_model,
-                                     skip_step=self._tracker.drop_grads)
+                                     skip_step=lambda: self._tracker.params.drop_grads(), earlier=self._earlier)
         self._tracker.policy = self._policy
         self._policy.sharded = is_sharded(model)
         self._loss_tap: LossCodeTap | None = None
@@ -233,10 +238,32 @@ class Watch:
 
     def _payload(self, a: Anomaly) -> dict[str, Any]:
         t, d = self._tracker, a.detection
-        return build_payload(step=d.record.step, kind=d.kind, message=d.message, model=self.model,
-                             optimizer=self.optimizer, scaler=t.scaler, scale=d.record.scale, inputs=a.inputs,
-                             precision=precision_of(t), source=self.options.source, device_type=t.device_type,
-                             step_method=self._policy.step_method)
+        payload = build_payload(step=d.record.step, kind=d.kind, message=d.message, model=self.model,
+                                optimizer=self.optimizer, scaler=t.scaler, scale=d.record.scale, inputs=a.inputs,
+                                precision=precision_of(t), source=self.options.source, device_type=t.device_type,
+                                step_method=self._policy.step_method)
+        return prior_payload(a.prior, payload)
+
+    def _earlier(self, a: Anomaly) -> Anomaly:
+        """The anomaly to record and replay: ``a`` itself, or -- when its step STARTED from inf/NaN parameters or
+        optimizer state -- the previous update, which wrote them (its pre-step state, kept by the tracker)."""
+        try:
+            bad = nonfinite_state(self.model, self.optimizer)
+            if not bad:
+                return a
+            d, prior = a.detection, self._tracker.prior
+            usable = prior is not None and prior.record.step == d.record.step - 1
+            self._policy.moved = moved_to(d.record.step, bad, prior if usable else None, self.options.coverage_steps)
+            log.warning("ampdoctor.watch: %s", self._policy.moved["note"])
+            if prior is None or not usable:
+                return a
+            moved = dataclasses.replace(a, inputs=prior.inputs, prior=prior, detection=dataclasses.replace(
+                d, record=prior.record, message=f"{d.message} {self._policy.moved['note']}"))
+        except Exception as exc:  # noqa: BLE001 - the step's own replay still runs
+            log.warning("ampdoctor.watch: checking the state step %d started from failed (%s: %s)",
+                        a.detection.record.step, type(exc).__name__, exc)
+            return a
+        return moved
 
     def _copy_model(self) -> nn.Module:
         return copy_without_hooks(self.model, self, self._tracker.module_handles)

@@ -21,6 +21,7 @@ from ampdoctor.watch import _reproducer
 from ampdoctor.watch._detectors import WINDOW, Detection
 from ampdoctor.watch._options import AnomalyError, WatchOptions
 from ampdoctor.watch._payload import StepInputs
+from ampdoctor.watch._prestate import PreUpdate
 from ampdoctor.watch._ranks import RankAgreement
 from ampdoctor.watch._rules import NONFINITE_CODES, not_reproduced
 from ampdoctor.watch._sinks import Sinks
@@ -39,18 +40,24 @@ class Anomaly:
     #: the weights are untouched by this step (pre-step, or GradScaler skipped it): safe to replay
     clean_state: bool
     inputs: StepInputs
+    #: the earlier update that wrote the non-finite state this anomaly's step started from (replayed instead)
+    prior: PreUpdate | None = None
 
 
 class AnomalyPolicy:
     """Applies ``on_anomaly`` (and the op-level replay of ``locate``) to each anomaly."""
 
     def __init__(self, options: WatchOptions, sinks: Sinks, *, payload: Callable[[Anomaly], dict[str, Any]],
-                 copy_model: Callable[[], nn.Module], skip_step: Callable[[], None]) -> None:
+                 copy_model: Callable[[], nn.Module], skip_step: Callable[[], None],
+                 earlier: Callable[[Anomaly], Anomaly] = lambda a: a) -> None:
         self.options = options
         self.sinks = sinks
         self._payload = payload
         self._copy_model = copy_model
         self._skip_step = skip_step
+        self._earlier = earlier
+        #: the replay moved to the update that wrote the non-finite state (``Watch._earlier``): steps, parameters
+        self.moved: dict[str, Any] | None = None
         self.kinds_seen: set[str] = set()
         self.counts: Counter[str] = Counter()
         self.recent: deque[dict[str, Any]] = deque(maxlen=WINDOW)
@@ -171,6 +178,8 @@ class AnomalyPolicy:
         if o.reproducer_dir is None and not replay:
             return None
         try:
+            if a.clean_state:
+                a = self._earlier(a)
             payload = self._payload(a)
         except Exception as exc:  # noqa: BLE001 - the decision (raise/skip) must still happen
             log.warning("ampdoctor.watch: recording step %d failed (%s: %s); no reproducer or replay for it",

@@ -86,8 +86,10 @@ def _unreproduced(policy: AnomalyPolicy) -> dict[str, Any]:
 def _extra_summary(t: StepTracker, policy: AnomalyPolicy, ran: str | None,
                    ranks: dict[str, Any] | None) -> dict[str, Any]:
     """The precision a framework was asked for when the steps ran another; the ranks' agreement (the same on every
-    rank but ``rank``: who saw what, where the inf/NaN started)."""
+    rank but ``rank``: who saw what, where the inf/NaN started); the earlier update a replay moved to."""
     out: dict[str, Any] = dict(ranks or {})
+    if policy.moved is not None:    # the step started from inf/NaN state: which update the replay ran instead
+        out["replay_moved"] = dict(policy.moved)
     note = _rules.precision_note(policy.requested, ran) if t.n_steps and policy.requested else None
     if note is not None and policy.requested is not None:
         out["precision_requested"], out["precision_note"] = policy.requested[0], note

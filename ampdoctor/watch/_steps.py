@@ -49,6 +49,7 @@ from ampdoctor.watch._options import AnomalyError, WatchOptions
 from ampdoctor.watch._params import Parameters, local_grad
 from ampdoctor.watch._payload import StepInputs, rng_state
 from ampdoctor.watch._policy import Anomaly, AnomalyPolicy
+from ampdoctor.watch._prestate import PreUpdate, take
 from ampdoctor.watch._probe import GradProbe
 from ampdoctor.watch._record import (
     Coverage,
@@ -117,6 +118,7 @@ class StepTracker:
                                    lost=LostUpdates(dtypes={n: str(p.dtype).replace("torch.", "") for n, p in ps.low}))
         self.lost_left = o.coverage_steps if ps.low else 0
         self.lp_before: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self.prior: PreUpdate | None = None     # the last update's pre-step state while lp_before is (``_prestate``)
         self.step = 0
         self.records: list[StepRecord] = []
         self.n_steps = 0
@@ -384,9 +386,10 @@ class StepTracker:
             self.lp_before = [(n, p, p.detach().clone()) for n, p in self.params.low
                               if p.grad is not None and not p.grad.is_sparse]
         self.read(current=it)
-        self.handle_queue(can_raise=True)
+        self.handle_queue(can_raise=True)     # may replay the previous update from self.prior
         assert self.policy is not None
         self.policy.agree(rec.step)
+        self.prior = take(self.model, self.optimizer, rec, it.inputs(), self.lp_before) if self.lp_before else None
 
     def close(self, *, skipped: bool, scale: torch.Tensor | None = None, scale_known: bool = False) -> None:
         it = self.it
@@ -492,9 +495,6 @@ class StepTracker:
             except AnomalyError:
                 self.queue = queue[i + 1:] + self.queue     # the rest is handled at the next event
                 raise
-
-    def drop_grads(self) -> None:
-        self.params.drop_grads()
 
 
 __all__ = ["Iteration", "StepTracker"]
