@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import types
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -194,8 +195,9 @@ class LossRecorder(TorchFunctionMode):
 
 class LossCodeTap:
     """Records each training step's loss code on ``model`` (a forward hook on the root module, a step pre-hook on
-    the optimizer to leave the mode stack); keeps the last step's :class:`LossProgram`. A model that returns its
-    loss itself is not recorded (a replay runs its forward, loss included)."""
+    the optimizer to leave the mode stack); keeps the last two steps' :class:`LossProgram` (a step that starts from
+    inf/NaN weights replays the step before it). A model that returns its loss itself is not recorded (a replay
+    runs its forward, loss included)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, step_of: Callable[[], int],
                  health: Health) -> None:
@@ -203,7 +205,7 @@ class LossCodeTap:
         self._step_of = step_of
         self.recorder: LossRecorder | None = None
         self._step = -1
-        self._program: tuple[int, LossProgram] | None = None
+        self._programs: deque[tuple[int, LossProgram]] = deque(maxlen=2)
         self.optimizer = optimizer
         self.handles = [model.register_forward_hook(Hook(self.on_output))]
         if optimizer is not None:   # global: runs before the watch's own step hook, whose torch calls then skip
@@ -235,8 +237,8 @@ class LossCodeTap:
         rec = self.recorder
         if rec is None:
             return
-        if rec.program is not None:
-            self._program = (self._step, rec.program)
+        if rec.program is not None and not any(p is rec.program for _, p in self._programs):
+            self._programs.append((self._step, rec.program))
         if not rec.done and self._step != self._step_of():
             rec.stop("the step ended before backward()")
         if rec.done and rec.pop():
@@ -245,7 +247,7 @@ class LossCodeTap:
     def program(self, step: int) -> LossProgram | None:
         """The loss code recorded in ``step``, if any."""
         self.settle()
-        return self._program[1] if self._program is not None and self._program[0] == step else None
+        return next((p for s, p in reversed(self._programs) if s == step), None)
 
     def close(self) -> None:
         for h in self.handles:

@@ -123,3 +123,42 @@ def test_a_failing_state_check_never_stops_training(monkeypatch: pytest.MonkeyPa
     rep = _train(m, opt).report()
     assert "replay_moved" not in rep.summary
     assert rep.summary["replay"]["summary"]["replay"]["step"] == 1   # the step's own replay, as before
+
+
+LOOP = """
+    import sys, torch
+    from torch import nn
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).half()
+    with torch.no_grad():
+        model[0].weight.mul_(1e-3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=float(sys.argv[1]))
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        x = torch.randn(5, 8, generator=g).half()
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean()      # the loss in the loop: recorded, replayed with the update
+        loss.backward()
+        opt.step()
+"""
+
+
+@pytest.mark.parametrize("eps", ["1e-8", "1e-4"])
+def test_ampdoctor_run_replays_the_update_that_wrote_the_nan(tmp_path, eps: str) -> None:
+    import textwrap
+
+    from ampdoctor.integrations.run import run_script
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(LOOP))
+    rep = run_script(["python", str(script), eps])
+    assert rep.summary["script"] == {"status": "completed"}
+    if eps == "1e-4":
+        assert "replay_moved" not in rep.summary and "replay" not in rep.summary
+        assert not [f for f in rep.findings if f.code in NONFINITE_CODES]
+        return
+    assert rep.summary["replay_moved"]["to_step"] == 0
+    assert "not_reproduced" not in rep.summary["replay"]
+    first = rep.findings[0]
+    assert (first.code, first.module, first.op, first.phase) == (
+        "low-precision-params", "0", "aten.addcdiv_.default", "optimizer")
