@@ -253,12 +253,14 @@ class Watch:
                 return a
             d, prior = a.detection, self._tracker.prior
             usable = prior is not None and prior.record.step == d.record.step - 1
-            self._policy.moved = moved_to(d.record.step, bad, prior if usable else None, self.options.coverage_steps)
-            log.warning("ampdoctor.watch: %s", self._policy.moved["note"])
+            info = moved_to(d.record.step, bad, prior if usable else None, self.options.coverage_steps)
+            if self._policy.moved is None:      # the first one: the one the replay runs
+                self._policy.moved = info
+                log.warning("ampdoctor.watch: %s", info["note"])
             if prior is None or not usable:
                 return a
             moved = dataclasses.replace(a, inputs=prior.inputs, prior=prior, detection=dataclasses.replace(
-                d, record=prior.record, message=f"{d.message} {self._policy.moved['note']}"))
+                d, record=prior.record, message=f"{d.message} {info['note']}"))
         except Exception as exc:  # noqa: BLE001 - the step's own replay still runs
             log.warning("ampdoctor.watch: checking the state step %d started from failed (%s: %s)",
                         a.detection.record.step, type(exc).__name__, exc)
