@@ -162,3 +162,38 @@ def test_ampdoctor_run_replays_the_update_that_wrote_the_nan(tmp_path, eps: str)
     first = rep.findings[0]
     assert (first.code, first.module, first.op, first.phase) == (
         "low-precision-params", "0", "aten.addcdiv_.default", "optimizer")
+
+
+def test_healthy_fp16_run_keeps_one_read_per_step_and_frees_the_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pre-step copies cost no host read, are bitwise inert, and go once the first coverage_steps are over."""
+    reads = [0]
+    real = torch.Tensor.tolist
+
+    def tolist(self: torch.Tensor) -> object:
+        reads[0] += 1
+        return real(self)
+
+    m0, opt0 = _model(1e-4)
+    m, opt = _model(1e-4)
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    with ampdoctor.watch(m, opt, coverage_steps=3) as w:
+        tracker = w._tracker
+        g = torch.Generator().manual_seed(1)
+        held = []
+        for _ in range(5):
+            x = torch.randn(5, 8, generator=g).half()
+            opt.zero_grad()
+            m(x).backward()
+            opt.step()
+            held.append(tracker.prior is not None)
+        steps_reads = reads[0]
+    assert steps_reads == 5         # the one read of each step's pre-update check, nothing more
+    assert held == [True, True, True, False, False]
+    monkeypatch.undo()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):       # the same training without the watch: bitwise the same weights
+        x = torch.randn(5, 8, generator=g).half()
+        opt0.zero_grad()
+        m0(x).backward()
+        opt0.step()
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m0.state_dict().values()))
