@@ -6,7 +6,8 @@ gradients are non-finite), whose pre-step state is already the corrupted one: a 
 weights non-finite on entry and can only say ``nonfinite-input``. So, while the watch already copies the
 low-precision weights before each update (the first ``coverage_steps`` steps, for the lost-update check), it
 also keeps the rest of that update's inputs (model state, optimizer state, the step's inputs by reference) until
-the next update: device copies, no host read. On an anomaly whose step STARTED from non-finite parameters or
+the next update: device copies, no host read, never more than half the device's free memory (else none is
+kept and the report says so). On an anomaly whose step STARTED from non-finite parameters or
 optimizer state (one check on the anomaly path, :func:`nonfinite_state`), the replay runs that earlier update.
 """
 
@@ -45,14 +46,40 @@ def _clone(obj: Any) -> Any:
     return obj
 
 
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def fits(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether copying ``tensors`` leaves the user's training room: on a CUDA device at most half of its free
+    memory (a driver query, no stream sync); host memory is not checked."""
+    by_device: dict[torch.device, int] = {}
+    for t in tensors:
+        by_device[t.device] = by_device.get(t.device, 0) + t.numel() * t.element_size()
+    for dev, size in by_device.items():
+        if dev.type == "cuda" and size > torch.cuda.mem_get_info(dev)[0] // 2:
+            return False
+    return True
+
+
 def take(model: nn.Module, optimizer: torch.optim.Optimizer | None, record: StepRecord, inputs: StepInputs,
-         reuse: Sequence[tuple[str, torch.Tensor, torch.Tensor]] = ()) -> PreUpdate:
-    """Copy the state the coming update reads (on its device: no host read). ``reuse`` holds (name, parameter,
-    copy) for copies the watch already made (the lost-update check's), so those are not copied twice."""
+         reuse: Sequence[tuple[str, torch.Tensor, torch.Tensor]] = ()) -> PreUpdate | None:
+    """Copy the state the coming update reads (on its device: no host read), or None when the copy would not
+    fit (:func:`fits`). ``reuse`` holds (name, parameter, copy) for copies the watch already made (the lost-update
+    check's), so those are not copied twice."""
     copies = {id(p): c for _, p, c in reuse}
-    state = {k: copies[id(v)] if id(v) in copies else v.detach().clone()
-             for k, v in local_module(model).state_dict(keep_vars=True).items()}
-    return PreUpdate(record, state, None if optimizer is None else _clone(optimizer.state_dict()), inputs)
+    live = local_module(model).state_dict(keep_vars=True)
+    opt_state = None if optimizer is None else optimizer.state_dict()
+    if not fits([v for v in live.values() if id(v) not in copies] + _tensors(opt_state)):
+        return None
+    state = {k: copies[id(v)] if id(v) in copies else v.detach().clone() for k, v in live.items()}
+    return PreUpdate(record, state, _clone(opt_state), inputs)
 
 
 def nonfinite_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[str, ...]:
@@ -86,7 +113,8 @@ def moved_to(step: int, bad: Sequence[str], prior: PreUpdate | None, coverage_st
                 "note": f"{head}, so the replay runs step {prior.record.step}, the update that wrote them."}
     return {"from_step": step, "to_step": None, "nonfinite": list(bad),
             "note": f"{head}; the watch keeps an update's pre-step state only during the first {coverage_steps} "
-                    f"step(s) of 16-bit weights the optimizer updates in their own dtype, so the replay runs step "
+                    f"step(s) of 16-bit weights the optimizer updates in their own dtype (and when the copy takes "
+                    f"at most half the free device memory), so the replay runs step "
                     f"{step}, which can only find them non-finite on entry. To see the update that wrote them, "
                     f"watch with coverage_steps above {step} (or keep fp32 master weights)."}
 
@@ -102,4 +130,4 @@ def prior_payload(prior: PreUpdate | None, payload: dict[str, Any]) -> dict[str,
             "optimizer_state": None if prior.optimizer_state is None else saved(prior.optimizer_state)}
 
 
-__all__ = ["PreUpdate", "moved_to", "nonfinite_state", "prior_payload", "take"]
+__all__ = ["PreUpdate", "fits", "moved_to", "nonfinite_state", "prior_payload", "take"]

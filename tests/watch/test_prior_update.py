@@ -197,3 +197,13 @@ def test_healthy_fp16_run_keeps_one_read_per_step_and_frees_the_copies(monkeypat
         m0(x).backward()
         opt0.step()
     assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m0.state_dict().values()))
+
+
+def test_a_copy_that_would_not_fit_is_not_made_and_the_report_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    monkeypatch.setattr(sys.modules["ampdoctor.watch._prestate"], "fits", lambda tensors: False)
+    m, opt = _model(1e-8)
+    rep = _train(m, opt).report()
+    moved = rep.summary["replay_moved"]
+    assert moved["to_step"] is None and "free device memory" in moved["note"]
+    assert rep.summary["replay"]["summary"]["replay"]["step"] == 1
