@@ -912,3 +912,80 @@ def lora_fp16(bad: bool) -> dict[str, Any]:
     return {"model": m, "batch": torch.randn(8, 16, generator=_gen(24)).half(),
             "precision": None if bad else "fp16-amp", "steps": 2, "loss_fn": mean_square,
             "optimizer": torch.optim.AdamW(params, lr=1e-4)}
+
+
+# ------------------------------------------------------------------ reentrant checkpoint behind frozen inputs
+class CkptBlock(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class CheckpointedLM(nn.Module):
+    """Token embeddings frozen (adapter-style fine-tuning), each block under ``torch.utils.checkpoint``."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 32).requires_grad_(False)
+        self.blocks = nn.ModuleList([CkptBlock(), CkptBlock()])
+        self.head = nn.Linear(32, 100)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for b in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=self.use_reentrant)
+        return self.head(h)
+
+
+def token_ce(out: torch.Tensor, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(out.float().flatten(0, 1), batch.flatten())
+
+
+@case("checkpoint-reentrant-frozen-embeddings", "https://github.com/huggingface/transformers/issues/21381 "
+      "(gradient checkpointing with frozen embeddings: the checkpointed blocks get no gradient; fix with "
+      "use_reentrant=False); mlfoundations/open_clip#573 ('None of the inputs have requires_grad=True')",
+      ("unused-parameters", "blocks.0.fc1", "", "backward"))
+def checkpoint_reentrant(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    m = CheckpointedLM(use_reentrant=bad)
+    return {"model": m, "batch": torch.randint(0, 100, (4, 8), generator=_gen(25)), "precision": "fp16-amp",
+            "loss_fn": token_ce, "scaler": torch.amp.GradScaler("cpu"),
+            "optimizer": torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)}
+
+
+class CheckpointedViT(nn.Module):
+    """A ViT whose patch embedding is locked (LiT / open_clip's locked image tower stem), the blocks run through
+    ``checkpoint_sequential``."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, 32, 4, stride=4).requires_grad_(False)
+        self.blocks = nn.Sequential(CkptBlock(), CkptBlock(), CkptBlock())
+        self.head = nn.Linear(32, 10)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.patch(x).flatten(2).transpose(1, 2)
+        h = torch.utils.checkpoint.checkpoint_sequential(self.blocks, 3, h, use_reentrant=self.use_reentrant)
+        return self.head(h.mean(1))
+
+
+@case("vit-locked-stem-checkpoint-sequential", "second family for the gradient-cut fix: a ViT with a locked patch "
+      "embedding and checkpoint_sequential(use_reentrant=True) (open_clip's --lock-image / grad-checkpointing, "
+      "mlfoundations/open_clip#573)", ("unused-parameters", "blocks.0.fc1", "", "backward"))
+def vit_checkpoint_sequential(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    m = CheckpointedViT(use_reentrant=bad)
+    g = _gen(26)
+    # policy "native": under the default CUDA-policy emulation on CPU, the twin's non-reentrant recompute in
+    # backward runs outside the emulation and raises CheckpointError (dtype mismatch) -- an ampdoctor bug
+    # reported to the lead (precision/emulation.py), not this case's subject
+    return {"model": m, "batch": torch.randn(4, 3, 16, 16, generator=g), "precision": "bf16-amp", "policy": "native",
+            "loss_fn": lambda out, batch: out.float().logsumexp(-1).mean(),
+            "optimizer": torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)}

@@ -8,13 +8,14 @@ run, then the code's precedence (``docs/codes.md``).
 from __future__ import annotations
 
 from ampdoctor.findings import (  # noqa: F401  (importing a rule module registers its rules)
-    _core_rules,  # overflow, nan-from-inf, masked-row-nan, constant-out-of-range, nonfinite-input, unused-parameters
+    _core_rules,  # overflow, nan-from-inf, masked-row-nan, constant-out-of-range, nonfinite-input
     _fp32_rules,  # must-stay-fp32
     _precision_loss,  # precision-loss
     _reference_rules,  # nonfinite-reference
     _saturation,  # saturation
     _training_rules,  # low-precision-params, loss-scale-collapse, loss-scaling-misuse, fp8-scale
     _underflow,  # underflow
+    _unused_params,  # unused-parameters
 )
 from ampdoctor.findings._context import Context, build_context, group_by_owner
 from ampdoctor.findings._crash import attach_exception

@@ -1,5 +1,5 @@
 """Rules for non-finite values: overflow, nan-from-inf, masked-row-nan, constant-out-of-range,
-nonfinite-input; and parameter coverage: unused-parameters."""
+nonfinite-input (parameter coverage, unused-parameters, is in ``_unused_params.py``)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from ampdoctor.findings._common import (
     dtype_name,
     feeders,
     fmt,
-    group_by_owner,
     is_low,
     keep_fp32_fix,
     limits,
@@ -32,11 +31,8 @@ from ampdoctor.findings._fp8_casts import handled as fp8_handled
 from ampdoctor.findings._literals import latent_literal_candidates, out_of_range_literal, rounded_literal_candidates
 from ampdoctor.findings._poles import flushed_pole_input
 from ampdoctor.findings._registry import (
-    RUN_END,
     SETUP_CRASH,
-    SETUP_CRASHED_COVERAGE,
     SETUP_INPUT,
-    SETUP_UNWIRED,
     Candidate,
     rule,
 )
@@ -423,63 +419,3 @@ def _low_precision_updater(ctx: Context, r: OpRecord) -> dict[str, Any] | None:
         out["eps"] = eps
         out["eps_in_dtype"] = float(torch.tensor(eps).to(p.dtype).float())
     return out
-
-
-@rule("unused-parameters", severity="warning", precedence=70,
-      summary="trainable parameters get no gradient (None) or are missing from the optimizer")
-def unused_parameters(ctx: Context) -> list[Candidate]:
-    """Trainable parameters whose ``.grad`` stays ``None`` after backward: their module's output never reaches
-    the loss (BERT's pooler when the loss uses token states). DDP with ``find_unused_parameters=False`` then
-    fails on the next step ("Expected to have finished reduction"), fused or flattening fp16 optimizers choke
-    on the ``None`` grads, and plain optimizers skip them silently. Severity is ``error`` when the run
-    crashed or a DDP wrapper is in use, ``warning`` otherwise. A functional bug that holds in every precision,
-    it ranks before the numeric causes of the same severity (a precision-loss or underflow warning measures a
-    degradation against fp32; these weights are not trained at all)."""
-    out: list[Candidate] = []
-    cov = ctx.target.coverage[0] if ctx.target.coverage else None
-    if cov is None or ctx.target.forward_only:
-        return out
-    none = [p.name for p in cov if p.grad_none]
-    if none and len(none) < len(cov):
-        crashed = ctx.target.exc is not None
-        ddp = type(ctx.spec.model).__name__ == "DistributedDataParallel"
-        severity = "error" if crashed or ddp else "warning"
-        for owner, params in sorted(group_by_owner(none, ctx.target.owners).items()):
-            numel = sum(1 for _ in params)
-            ev: dict[str, Any] = {"parameters": params, "count": numel, "of_trainable": len(cov)}
-            if crashed:
-                ev["crash"] = f"{type(ctx.target.exc).__name__}: {str(ctx.target.exc).splitlines()[0][:200]}"
-                ev["crash_step"] = ctx.target.exc_step
-            expl = (f"{len(params)} trainable parameter(s) of {owner or '<root>'} ({', '.join(params[:4])}"
-                    f"{', ...' if len(params) > 4 else ''}) have grad None after backward: the module's output never "
-                    "reaches the loss. DDP (find_unused_parameters=False) fails on the next step, fused/flattening "
-                    "fp16 optimizers break on None grads, and these weights are never trained.")
-            if crashed:
-                expl += f" The run crashed at step {ctx.target.exc_step}: {ev['crash']}."
-            fixes = (
-                FixProposal("leave these parameters out of training",
-                            f"for p in model.{owner}.parameters():\n    p.requires_grad_(False)" if owner else "",
-                            id="exclude_unused",
-                            params={"parameters": params}),
-                FixProposal("build the model without the unused part (a constructor option, or delete the module "
-                            "before training)"),
-                FixProposal("under DDP, let it tolerate unused parameters",
-                            "DistributedDataParallel(model, find_unused_parameters=True)"),
-            )
-            out.append(Candidate(Finding(
-                "unused-parameters", severity, owner, "", "backward",
-                f"{owner or '<root>'}: {len(params)} trainable parameter(s) never get a gradient", expl, ev, fixes),
-                SETUP_CRASHED_COVERAGE if crashed else SETUP_UNWIRED))
-    missing = [p.name for p in cov if not p.in_optimizer and not p.grad_none]
-    if missing:
-        for owner, params in sorted(group_by_owner(missing, ctx.target.owners).items()):
-            expl = (f"{len(params)} trainable parameter(s) of {owner or '<root>'} get gradients but are not in the "
-                    "optimizer's param_groups, so they are never updated.")
-            out.append(Candidate(Finding(
-                "unused-parameters", "warning", owner, "", "optimizer",
-                f"{owner or '<root>'}: trainable parameters missing from the optimizer", expl,
-                {"parameters": params, "count": len(params)},
-                (FixProposal("add them to the optimizer or freeze them",
-                             "optimizer.add_param_group({'params': [...]})"),)), RUN_END))
-    return out
-
