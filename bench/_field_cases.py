@@ -983,9 +983,8 @@ def vit_checkpoint_sequential(bad: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     m = CheckpointedViT(use_reentrant=bad)
     g = _gen(26)
-    # policy "native": under the default CUDA-policy emulation on CPU, the twin's non-reentrant recompute in
-    # backward runs outside the emulation and raises CheckpointError (dtype mismatch) -- an ampdoctor bug
-    # reported to the lead (precision/emulation.py), not this case's subject
-    return {"model": m, "batch": torch.randn(4, 3, 16, 16, generator=g), "precision": "bf16-amp", "policy": "native",
+    # default CUDA-policy emulation: the twin's non-reentrant recompute in backward re-enters autocast, which the
+    # runner's step-wide emulation scope follows (it raised CheckpointError before: precision/_contexts.py)
+    return {"model": m, "batch": torch.randn(4, 3, 16, 16, generator=g), "precision": "bf16-amp",
             "loss_fn": lambda out, batch: out.float().logsumexp(-1).mean(),
             "optimizer": torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)}

@@ -189,6 +189,23 @@ def _precision_context(precision: str | None, device: torch.device, policy: str)
     return contextlib.nullcontext()
 
 
+def _emulation_scope(precision: str | None, device: torch.device, policy: str) -> Any:
+    """The CUDA-policy emulation kept on the torch-function mode stack for a whole target step, autocast off.
+
+    Autocast entered anywhere in the step then follows the CUDA policy, not only the forward's own
+    :func:`_precision_context`: a non-reentrant ``torch.utils.checkpoint`` re-enters the forward's autocast state
+    for its recompute during the backward, and a recompute under CPU's native policy would produce tensors of other
+    dtypes than the emulated forward saved (``CheckpointError``); a user ``train_step`` may enter ``torch.autocast``
+    itself. With autocast off the mode casts nothing (see :class:`ampdoctor.precision.emulation.cuda_autocast`)."""
+    if precision in AMP_DTYPES and policy == "cuda" and device.type != "cuda":
+        try:
+            from ampdoctor.precision.emulation import cuda_autocast
+        except ImportError:  # emulation not available: native autocast stands in (see _precision_context)
+            return contextlib.nullcontext()
+        return cuda_autocast(AMP_DTYPES[precision], enabled=False, device_type=device.type)
+    return contextlib.nullcontext()
+
+
 def _gemm_context(precision: str | None, device: torch.device, policy: str) -> Any:
     """fp16/bf16 GEMMs with fp32 accumulation (CUDA's numerics) for a CUDA-policy target run off-GPU.
 

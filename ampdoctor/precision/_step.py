@@ -35,6 +35,7 @@ from ampdoctor.precision._contexts import (
     AMP_DTYPES,
     LOW_DTYPES,
     _bind_train_step,
+    _emulation_scope,
     _fp8_context,
     _gemm_context,
     _NoAutocast,
@@ -236,6 +237,8 @@ class StepLoop:
                                                                                         policy)
         self.gemm = contextlib.nullcontext() if prep.reference else _gemm_context(prep.precision, prep.device,
                                                                                      policy)
+        self.emulation = contextlib.nullcontext() if prep.reference else _emulation_scope(
+            prep.precision, prep.device, policy)
         self.step_kw = _bind_train_step(spec.train_step, prep.optimizer, prep.scaler) if spec.train_step else {}
         self.result = StepResult()
         self._loss_checked = False
@@ -251,6 +254,7 @@ class StepLoop:
         try:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(self.gemm)  # below the observers' dispatch modes (the trace)
+                stack.enter_context(self.emulation)  # autocast anywhere in the step is emulated (checkpoint recompute)
                 for ob in self.observers:
                     stack.enter_context(ob.context(self))
                 stack.enter_context(no_autocast)
