@@ -88,3 +88,18 @@ def test_recompute_under_the_scope_follows_the_cuda_policy() -> None:
     with pytest.raises(Exception, match="(?i)recomputed values"):
         step(scoped=False)
     assert not torch.is_autocast_enabled("cpu")
+
+
+def test_hf_gpt2_with_gradient_checkpointing_enable_diagnoses() -> None:
+    """The user's path: transformers' own ``gradient_checkpointing_enable()`` (non-reentrant) on GPT-2 (LayerNorm and
+    softmax in every block: fp32 under the CUDA policy, bf16 under CPU's) raised CheckpointError before."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    m = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64))
+    m.gradient_checkpointing_enable()
+    m.train()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    report = ampdoctor.diagnose(m, {"input_ids": ids, "labels": ids}, precision="bf16-amp",
+                                optimizer=torch.optim.AdamW(m.parameters(), lr=1e-4))
+    assert report.ok, [(f.code, f.module, f.op) for f in report.findings]
