@@ -176,10 +176,15 @@ def _strip_instrument_hooks(model: nn.Module, optimizer: Any) -> None:
                 extra.pop(key, None)
 
 
+def _emulated(device: torch.device, policy: str) -> bool:
+    """Whether a target run on ``device`` emulates CUDA (autocast policy, GEMM numerics): ``policy="cuda"`` off-GPU."""
+    return policy == "cuda" and device.type != "cuda"
+
+
 def _precision_context(precision: str | None, device: torch.device, policy: str) -> Any:
     if precision in AMP_DTYPES:
         dtype = AMP_DTYPES[precision]
-        if policy == "cuda" and device.type != "cuda":
+        if _emulated(device, policy):
             try:
                 from ampdoctor.precision.emulation import cuda_autocast
             except ImportError:  # emulation not available: native autocast stands in
@@ -197,13 +202,11 @@ def _emulation_scope(precision: str | None, device: torch.device, policy: str) -
     for its recompute during the backward, and a recompute under CPU's native policy would produce tensors of other
     dtypes than the emulated forward saved (``CheckpointError``); a user ``train_step`` may enter ``torch.autocast``
     itself. With autocast off the mode casts nothing (see :class:`ampdoctor.precision.emulation.cuda_autocast`)."""
-    if precision in AMP_DTYPES and policy == "cuda" and device.type != "cuda":
-        try:
-            from ampdoctor.precision.emulation import cuda_autocast
-        except ImportError:  # emulation not available: native autocast stands in (see _precision_context)
-            return contextlib.nullcontext()
-        return cuda_autocast(AMP_DTYPES[precision], enabled=False, device_type=device.type)
-    return contextlib.nullcontext()
+    if precision not in AMP_DTYPES or not _emulated(device, policy):
+        return contextlib.nullcontext()
+    from ampdoctor.precision.emulation import cuda_autocast
+
+    return cuda_autocast(AMP_DTYPES[precision], enabled=False, device_type=device.type)
 
 
 def _gemm_context(precision: str | None, device: torch.device, policy: str) -> Any:
@@ -211,7 +214,7 @@ def _gemm_context(precision: str | None, device: torch.device, policy: str) -> A
 
     Entered before the observers (the trace), so the trace records the GEMMs in their low dtype.
     ``AMPDOCTOR_GEMM=native`` keeps torch's own CPU kernels (see :class:`ampdoctor.precision.emulation.cuda_gemm`)."""
-    if policy != "cuda" or device.type == "cuda" or (precision not in AMP_DTYPES and precision not in LOW_DTYPES):
+    if not _emulated(device, policy) or (precision not in AMP_DTYPES and precision not in LOW_DTYPES):
         return contextlib.nullcontext()
     from ampdoctor.precision.emulation import cuda_gemm, gemm_choice
 
