@@ -1,12 +1,13 @@
-"""What the step-wide CUDA-policy emulation scope costs a diagnose (ca505b8).
+"""What the step-wide CUDA-policy emulation scope costs a diagnose's target run (ca505b8).
 
     python bench/emulation_scope.py                 # bench T5 small, fp16-amp and bf16-amp, 5 rounds
 
 The target run keeps the emulation's torch-function mode on the stack for the whole step (autocast off outside the
 forward), so that a checkpoint's recompute in the backward is emulated too; every Python-level torch call of the
-step outside the forward (the optimizer's, the loss scaler's) now passes through the mode. This compares, in one
-process and interleaved per round, ``ampdoctor.diagnose`` as shipped against the same diagnose with the scope
-replaced by a null context (the previous behaviour). Ratio = median over rounds of (with / without).
+step outside the forward (the optimizer's, and the trace's own bookkeeping) now passes through the mode. This
+compares, in one process and interleaved per round, a full-tier traced training step whose forward runs under
+``cuda_autocast`` (what the target run does), inside and outside ``cuda_autocast(dtype, enabled=False)`` around the
+whole step (the scope). Ratio = median over rounds of (with / without).
 Writes ``results/emulation_scope.{json,md}``.
 """
 
@@ -28,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _models  # noqa: E402
 
 import ampdoctor  # noqa: E402
-from ampdoctor.precision import _step  # noqa: E402
+from ampdoctor.precision import cuda_autocast  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 NOTES = """## Where the cost comes from (cProfile of one fp16-amp diagnose, small config)
@@ -38,7 +39,10 @@ trace's own Python bookkeeping in the backward and optimizer phases (`tensor_key
 the input and output walks of `_full_op`/`_record_output`, the runner's coverage reads: ~20,000 Tensor method calls
 per run), which now pass through the torch-function mode as the forward's already did. A fast path for "autocast off
 everywhere" inside the mode's handler did not measurably help (1.13x / 1.14x in one run): the price is torch's
-torch-function dispatch itself, not the handler's body. The fix at the right depth is for the trace's dispatch
+torch-function dispatch itself, not the handler's body. (That fast path and the whole-diagnose A/B -- 1.18x fp16-amp,
+1.12x bf16-amp, 7 rounds -- were measured by a first version of this script that swapped the runner's scope out
+through a private name; bench scripts use the public API only, so this one measures the traced target step itself.)
+The fix at the right depth is for the trace's dispatch
 handler to run its bookkeeping with torch functions disabled (only the op call itself seen by the modes above it),
 which would also take the same cost out of every emulated forward; not done in this round (it touches how the
 emulation sees the aten calls made inside the trace's handler, and needs its own bitwise checks). On the 750M
@@ -47,17 +51,20 @@ copies, page faults and statistics passes), so the scope's share is expected to 
 """
 
 
-def _diagnose(model: torch.nn.Module, batch: dict, precision: str, scoped: bool) -> float:
-    shipped = _step._emulation_scope
-    if not scoped:
-        _step._emulation_scope = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
-    try:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        t = time.perf_counter()
-        ampdoctor.diagnose(model, batch, precision=precision, optimizer=opt)
-        return time.perf_counter() - t
-    finally:
-        _step._emulation_scope = shipped
+def _traced_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict, dtype: torch.dtype,
+                 scoped: bool) -> float:
+    """One traced (full tier) training step with its forward under ``cuda_autocast``, as the target run does it;
+    ``scoped``: inside the step-wide ``cuda_autocast(dtype, enabled=False)`` the runner now enters outside the trace."""
+    t = time.perf_counter()
+    with cuda_autocast(dtype, enabled=False) if scoped else contextlib.nullcontext():
+        with ampdoctor.trace(model, opt, full=True) as tr:
+            opt.zero_grad(set_to_none=True)
+            with cuda_autocast(dtype):
+                loss = model(**batch).loss
+            loss.float().backward()
+            opt.step()
+    tr.result()
+    return time.perf_counter() - t
 
 
 def main() -> int:
@@ -66,15 +73,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    model, _, batch = _models.build(args.config)
+    model, opt, batch = _models.build(args.config)
     load0 = [round(x, 2) for x in os.getloadavg()]
     rows = {}
-    for precision in ("fp16-amp", "bf16-amp"):
-        _diagnose(model, batch, precision, True)  # warm-up
+    for precision, dtype in (("fp16-amp", torch.float16), ("bf16-amp", torch.bfloat16)):
+        _traced_step(model, opt, batch, dtype, True)  # warm-up
         times: dict[str, list[float]] = {"with": [], "without": []}
         for r in range(args.rounds):
             for scoped in ((True, False) if r % 2 == 0 else (False, True)):
-                times["with" if scoped else "without"].append(_diagnose(model, batch, precision, scoped))
+                times["with" if scoped else "without"].append(_traced_step(model, opt, batch, dtype, scoped))
         ratios = [a / b for a, b in zip(times["with"], times["without"])]
         rows[precision] = {"times_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
                            "median_with": statistics.median(times["with"]),
@@ -91,7 +98,8 @@ def main() -> int:
              f"Generated by `bench/emulation_scope.py` (argv: `{' '.join(doc['argv'])}`) on {doc['date']}, torch "
              f"{doc['torch']}, 1 thread, bench T5 `{args.config}` config; load average {doc['loadavg'][0]} at start, "
              f"{doc['loadavg'][1]} at end (2 shared cores). {args.rounds} interleaved rounds per precision; "
-             "ratio = median of (diagnose as shipped / the same diagnose without the step-wide scope).", "",
+             "ratio = median of (a traced target step inside the step-wide scope / the same step without it; "
+             "the forward is under `cuda_autocast` in both, the trace is the full tier diagnose runs).", "",
              "| precision | with scope | without | ratio (min–max) |", "|---|---|---|---|"]
     for p, r in rows.items():
         lines.append(f"| {p} | {r['median_with']:.3f} s | {r['median_without']:.3f} s | {r['ratio']:.3f}× "
