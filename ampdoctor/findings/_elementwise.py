@@ -37,6 +37,7 @@ FLOOR = 1.0 / 16
 AMPLIFIED_FLOOR = 0.05
 AMPLIFIERS = ops_with(Kind.PERIODIC) | ops_with(Kind.EXPONENTIAL)
 PICKS_K, ORDERS = ops_with(Kind.PICKS_K), ops_with(Kind.ORDERS)
+GATHERS = ops_with(Kind.GATHERS)
 
 
 def sample_error(t: OpRecord, ref: OpRecord) -> dict[str, float] | None:
@@ -155,13 +156,30 @@ def decision_changes(ctx: Context) -> list[dict[str, Any]]:
 
 def decision_source(ctx: Context, d: Any) -> OpRecord | None:
     """The op a changed decision is blamed on: among the decision input and its op feeders (4 hops, through
-    views and casts) computed in a low precision, the one with the largest own element error (the first of them
-    when none is measured); the input itself when none is low precision."""
+    views and casts) computed in a low precision -- those inside the decision's own module when there are any (the
+    scores it compares are computed there; an input rounded upstream is not what decides) and of them the ones
+    whose *output* is low precision (where a value is rounded) when there are any -- the one with the largest own
+    element error, else the nearest of them; the input itself when none is low precision."""
     if not 0 <= d.input_index < len(ctx.records):
         return None
     start = ctx.records[d.input_index]
     ops = _low_ops(ctx, start, 4)
-    return _largest_own(ctx, ops, ops[0]) if ops else start
+    if not ops:
+        return start
+    local = [x for x in ops if _inside(x.module, d.module)] or ops
+    sites = [x for x in local if is_low(x.dtype)] or local
+    return _largest_own(ctx, sites, sites[0])
+
+
+def _inside(module: str, parent: str) -> bool:
+    return not parent or module == parent or module.startswith(parent + ".")
+
+
+def decision_steers(ctx: Context, d: Any) -> int:
+    """How many later ops pick values by integers computed from the decision's scores (``x[idx]``, a gather, an
+    embedding lookup: :data:`GATHERS`): a changed decision there routes values to different computation. An
+    integer used otherwise (``0 * idx``, a metric) does not count."""
+    return sum(1 for r in ctx.records if d.input_index in r.index_src and op_base(r.op) in GATHERS)
 
 
 def _low_ops(ctx: Context, r: OpRecord, depth: int) -> list[OpRecord]:

@@ -25,7 +25,13 @@ from ampdoctor.findings._common import (
 )
 from ampdoctor.findings._context import Context
 from ampdoctor.findings._crash import out_of_range_findings
-from ampdoctor.findings._elementwise import AMPLIFIERS, amplified_records, decision_source, element_loss_records
+from ampdoctor.findings._elementwise import (
+    AMPLIFIERS,
+    amplified_records,
+    decision_source,
+    decision_steers,
+    element_loss_records,
+)
 from ampdoctor.findings._integer_values import integer_rounding_findings
 from ampdoctor.findings._registry import Candidate, rule
 from ampdoctor.findings._rounded_operands import rounded_operand_findings
@@ -36,6 +42,8 @@ PERIODIC = ops_with(Kind.PERIODIC)
 
 #: relative error above which precision-loss is a warning (below it: info)
 WARN_REL = 0.05
+#: a changed decision whose indices select later computation is an error from this fraction of rows (1 in 20)
+DECISION_ERROR_FRACTION = 0.05
 
 
 @rule("precision-loss", severity="warning", precedence=50,
@@ -85,7 +93,11 @@ def precision_loss(ctx: Context) -> list[Candidate]:
     choose differently are a ``warning`` at the low-precision op that computed the compared scores, with
     ``decisions_changed``, ``rows``, ``changed_fraction``, ``changed_rows``, ``examples``, ``decision_op``,
     ``decision_module`` and ``ties_target``/``ties_reference``/``ties_created`` (rows whose winner ties with the
-    next candidate; for a sort, rows where two neighbours in the order are equal). An amplifier (``sin``, ``cos``,
+    next candidate; for a sort, rows where two neighbours in the order are equal); inside the decision's own
+    module the op that rounds the scores is blamed before an upstream input's rounding. It is an ``error`` when at
+    least 5% of the rows (and 2) choose differently and later ops pick values with the chosen indices
+    (``indexed_by``: ``x[idx]``, a gather, an embedding lookup -- an MoE router's experts, a VQ codebook's codes):
+    those rows take a different computation, not a rounded one. An amplifier (``sin``, ``cos``,
     ``exp``) whose median element error exceeds ``max(16 * u, 5%)`` (u of the low precision its argument was
     computed in) is a ``warning`` at the op that lost the argument's digits -- the amplifier itself when it runs
     in the low precision on a rounded large argument (Fourier features, positions), the low-precision op upstream
@@ -320,9 +332,12 @@ def _decision_findings(ctx: Context) -> list[Candidate]:
         dt = dtype_name(src.dtype)
         ev = base_evidence(src)
         ties_t, ties_r = ch["ties_target"], ch["ties_reference"]
+        steers = decision_steers(ctx, d)
         ev.update({"decisions_changed": n, "rows": rows, "changed_fraction": n / max(rows, 1),
                    "changed_rows": ch["changed_rows"][:20], "examples": ch["examples"], "decision_op": d.op,
-                   "decision_module": d.module, "ties_target": ties_t, "ties_reference": ties_r})
+                   "decision_module": d.module, "ties_target": ties_t, "ties_reference": ties_r,
+                   "indexed_by": steers})
+        severe = steers > 0 and n >= 2 and n / max(rows, 1) >= DECISION_ERROR_FRACTION
         if ties_t is not None and ties_r is not None:
             ev["ties_created"] = max(0, ties_t - ties_r)
         if src.index in ctx.element_errors:
@@ -334,12 +349,16 @@ def _decision_findings(ctx: Context) -> list[Candidate]:
                 f"{ch['examples'][0]['reference']}). The scores it compares come from {where(src)}, computed in "
                 f"{dt} (u = {fmt(unit_roundoff(src.dtype))}): where candidates are closer than that rounding, the "
                 f"pick changes although the tensor's norm agrees.{tie_txt}" + _batch_note(ctx, src))
+        if severe:
+            expl += (f" The chosen indices select what is computed next ({steers} op(s) index with them: routing, a "
+                     f"gather, a codebook lookup), so {n / rows:.0%} of the rows take a different path than in "
+                     "float32 -- not rounding noise but a different computation.")
         fixes = [FixProposal("compute the scores that are compared in float32",
                              "scores = layer(x.float()) if needed; idx = scores.float().argmax(-1)")]
         if src.module:
             fixes.insert(0, keep_fp32_fix(src.module))
         out.append(Candidate(Finding(
-            "precision-loss", "warning", src.module, src.op, src.phase,
+            "precision-loss", "error" if severe else "warning", src.module, src.op, src.phase,
             f"{op_base(d.op)} picks differently in {dt} for {n}/{rows} rows in {d.module or '<root>'}", expl, ev,
             tuple(fixes), src.step), src.index))
     return out

@@ -7,6 +7,7 @@ magnitudes that fit) must have no error finding and nothing of that code at that
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from typing import Any
@@ -295,3 +296,85 @@ def test_weight_norms_numbers() -> None:
     p = spec["model"].proj.parametrizations.weight[0]
     w = spec["model"].proj.parametrizations.weight.original.detach()
     assert ev["ref_absmax"] == pytest.approx((w @ p._v).norm().item(), rel=1e-2)  # ||W v|| of the power iteration
+
+
+# ------------------------------------------------------------------ round 4
+def test_moe_router_ties_numbers() -> None:
+    spec, report = _diagnose("moe-router-probs-bf16-topk", True)
+    f = report.findings[0]
+    ev = f.evidence
+    m, x = spec["model"], spec["batch"]
+    with torch.no_grad():  # the router's choice, recomputed: fp32 vs the bf16 model on the bf16-cast batch
+        h = m.inp(x).flatten(0, 1)
+        ref = m.moe.gate(h).softmax(-1).topk(2, -1).indices.sort(-1).values
+        mb = copy.deepcopy(m).bfloat16()
+        probs = mb.moe.gate(mb.inp(x.bfloat16()).flatten(0, 1)).softmax(-1)
+        low = probs.topk(2, -1).indices.sort(-1).values
+        top3 = probs.topk(3, -1).values
+    changed = int((ref != low).any(-1).sum())
+    assert ev["decisions_changed"] == changed and ev["rows"] == 128 and changed / 128 >= 0.05
+    assert ev["decision_op"] == "aten.topk.default" and ev["decision_module"] == "moe"
+    assert ev["ties_created"] > 0 and int((top3[:, 1] == top3[:, 2]).sum()) > 0  # bf16 probabilities tie
+    assert ev["indexed_by"] > 0  # the chosen experts select the tokens each expert computes
+    assert "different computation" in f.explanation
+
+
+def test_vq_codebook_numbers() -> None:
+    spec, report = _diagnose("vq-codebook-argmin-bf16-amp", True)
+    ev = report.findings[0].evidence
+    m, x = spec["model"], spec["batch"]
+    with torch.no_grad():
+        z = m.enc(x)
+        e = m.vq.codebook.weight
+        ref = torch.cdist(z, e).argmin(1)
+        with torch.autocast("cpu", torch.bfloat16):  # CPU autocast runs the same ops in bf16 (mm, linear)
+            zb = m.enc(x)
+            low = (zb.float().pow(2).sum(1, keepdim=True) - 2 * zb @ e.t() + e.pow(2).sum(1)).argmin(1)
+    assert ev["decision_op"] == "aten.argmin.default" and ev["indexed_by"] > 0
+    assert ev["decisions_changed"] >= 0.05 * 128 and int((ref != low).sum()) >= 0.05 * 128
+    _, healthy = _diagnose("vq-codebook-argmin-bf16-amp", False)
+    assert not [f for f in healthy.findings if "decisions_changed" in f.evidence]  # float32 distances: same codes
+
+
+def test_rmsnorm_no_upcast_numbers() -> None:
+    spec, report = _diagnose("rmsnorm-no-upcast-fp16", True)
+    ev = report.findings[0].evidence
+    x = _fp32_forward(spec, spec["model"].norm, lambda a, o: a[0])
+    assert ev["ref_absmax"] == pytest.approx(x.pow(2).max().item(), rel=1e-3) and x.abs().max() < 65504
+    assert ev["n_inf"] == int((x.pow(2) > 65520).sum())  # each square above fp16's max is inf
+
+
+def test_label_smoothing_numbers() -> None:
+    spec, report = _diagnose("label-smoothing-sum-fp16", True)
+    ev = report.findings[0].evidence
+    with torch.no_grad():
+        s = -torch.log_softmax(spec["model"](spec["batch"]), -1).sum(-1)  # the smoothing term over 8192 tokens
+    assert ev["ref_absmax"] == pytest.approx(s.max().item(), rel=1e-3) and s.min() > 65504
+    assert ev["n_inf"] == s.numel()
+
+
+def test_attention_logit_growth_numbers() -> None:
+    spec, report = _diagnose("attention-logit-growth-fp16", True)
+    ev = report.findings[0].evidence
+
+    def logits(a: Any, o: Any) -> torch.Tensor:
+        q, k, _ = spec["model"].attn.qkv(a[0]).chunk(3, -1)
+        return torch.stack([(q @ k.transpose(-2, -1)).abs().max(), torch.cat([q, k]).abs().max()])
+
+    qk, qk_max = _fp32_forward(spec, spec["model"].attn, logits).tolist()
+    assert ev["ref_absmax"] == pytest.approx(qk, rel=1e-3) and qk > 65504 > qk_max  # q and k fit, q.k does not
+
+
+def test_layerscale_numbers() -> None:
+    spec, report = _diagnose("layerscale-1e-6-pure-fp16", True)
+    ev = report.findings[0].evidence
+    gamma = spec["model"].blocks[1].gamma
+    assert gamma.dtype == torch.float16 and 0 < gamma.abs().max().item() < 2.0**-14  # subnormal in fp16
+    assert ev["ref_absmax"] < 2.0**-25  # gamma * grad: below half of fp16's smallest subnormal, every value is 0
+
+
+def test_vae_kl_numbers() -> None:
+    spec, report = _diagnose("vae-kl-logvar-exp-fp16", True)
+    ev = report.findings[0].evidence
+    lv = _fp32_forward(spec, spec["model"].logvar, lambda a, o: o)
+    assert ev["ref_absmax"] == pytest.approx(math.exp(lv.max().item()), rel=1e-3) and lv.max() > math.log(65504)
