@@ -20,7 +20,8 @@ decides, from mechanisms, whether that diagnosis can find anything that changes 
    finite value within one bit of the format's max (overflow, also one a clamp catches); a literal or scalar
    argument that is 0 or ±1 in the format but not in float32 (constant-out-of-range); integers (every sampled
    element, as the integer-values rule reads them) or a tensor made from no floating input (positions, ids cast to
-   float) beyond the integers the format holds exactly; trainable
+   float) beyond the integers the format holds exactly; a decision (argmax, topk, argmin) whose indices select
+   later values (an MoE router, a codebook lookup: the precision-loss rule compares its choices); trainable
    parameters with no gradient or outside the optimizer.
 3. :func:`guard_step` -- the target step itself, on copies, under the cheap trace tier (one ``aminmax`` per op):
    it raised (a dtype mismatch under autocast, a literal that does not fit); any op output inf/NaN (also one
@@ -47,7 +48,17 @@ from ampdoctor.precision._contexts import map_batch
 from ampdoctor.precision._runner import RunResult
 from ampdoctor.precision._spec import StepSpec
 from ampdoctor.precision._step import Observer, StepLoop, prepare, saved_rng
-from ampdoctor.trace import HALF_DTYPES, Trace, dtype_info, dtype_limits, op_base, unit_roundoff
+from ampdoctor.trace import (
+    HALF_DTYPES,
+    Kind,
+    Trace,
+    TraceResult,
+    dtype_info,
+    dtype_limits,
+    op_base,
+    ops_with,
+    unit_roundoff,
+)
 
 #: the precisions the quick pass can judge, and their low dtype (autocast keeps fp32 parameters and state); the
 #: dtype comes from the dtype registry (``fp16-amp`` -> ``fp16``), not a table of our own
@@ -169,6 +180,7 @@ def reference_reasons(ref: RunResult, precision: str) -> list[str]:
         out = list(dict.fromkeys(out))  # the same op in the same module (views of one value) once
         if len(out) >= MAX_REASONS:
             break
+    out += _routing_reasons(ref.trace)
     cov = ref.coverage[0] if ref.coverage and not ref.forward_only else []
     unused = [p.name for p in cov if p.grad_none or not p.in_optimizer]
     if unused:
@@ -192,6 +204,19 @@ def _range_reasons(r: Any, s: dict[str, float], fmt: str, dtype: torch.dtype, fm
         out.append(f"{where}: integers (every sampled element) or a tensor made from no floating input (positions, "
                    f"ids) with |max| {absmax:.4g} above {exact:g}, the largest integer {fmt} holds exactly")
     return out
+
+
+def _routing_reasons(trace: TraceResult) -> list[str]:
+    """A decision (argmax, topk, argmin) whose chosen indices pick later values (``x[idx]``, a gather, an embedding
+    lookup: an MoE router, a VQ codebook): the low precision can change the choice, which the precision-loss rule
+    compares index by index and the cheap guard step does not see."""
+    gathers = ops_with(Kind.GATHERS)
+    used = {i for r in trace.records if op_base(r.op) in gathers for i in r.index_src}
+    for d in trace.decisions:
+        if d.input_index in used:
+            return [f"{d.op} in {d.module or '<root>'} chooses indices that select later computation (routing, a "
+                    "lookup): rounding its scores can change the choice"]
+    return []
 
 
 def _integers(sample: Any, exact: float) -> bool:
