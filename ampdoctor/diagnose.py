@@ -29,6 +29,7 @@ from ampdoctor.findings import (
 )
 from ampdoctor.precision import (
     RunResult,
+    SharedCopy,
     StepSpec,
     load_scenario_module,
     make_spec,
@@ -94,24 +95,28 @@ def diagnose_file(path: str, **overrides: Any) -> Report:
 
 
 def diagnose_spec(spec: StepSpec, *, policy: str = "cuda", progress: Any = None,
-                  reference: RunResult | None = None) -> Report:
+                  reference: RunResult | None = None, shared: SharedCopy | None = None) -> Report:
     """spec -> reference run -> target run -> context -> rules -> ranking -> enrichment -> agreement -> report.
 
     ``reference``: the float32 reference run of this very spec when the caller already ran it
-    (:func:`headroom_and_diagnose`); it is not run again."""
+    (:func:`headroom_and_diagnose`); it is not run again. The target's copy is made over the reference's storages
+    where they fit (:class:`~ampdoctor.precision.SharedCopy`: no second allocation of the model); ``shared``: the
+    one the caller's reference run handed its copy over to."""
     def phase(name: str) -> None:
         log.info("diagnose: %s", name)
         if progress is not None:
             progress(name)
 
     t0 = time.perf_counter()
+    if shared is None:
+        shared = SharedCopy(spec)
     if reference is None:
         phase("reference")
         with saved_rng():
-            reference = run(spec, reference=True, policy=policy)
+            reference = run(spec, reference=True, policy=policy, hand_over=shared)
     phase("target")
     with saved_rng():
-        target = run(spec, reference=False, policy=policy)
+        target = run(spec, reference=False, policy=policy, reuse=shared)
     phase("analysis")
     ctx = build_context(spec, target, reference)
     findings = enrich_all(analyse(ctx), spec.model, spec.precision)  # rules, ranking, enrichment
@@ -140,10 +145,11 @@ def headroom_and_diagnose(spec: StepSpec, *, policy: str = "cuda", progress: Any
     if progress is not None:
         progress("headroom")
     log.info("diagnose: reference (+ headroom)")
+    shared = SharedCopy(spec)
     with saved_rng():
-        reference = run(spec, reference=True, policy=policy, headroom=True)
+        reference = run(spec, reference=True, policy=policy, headroom=True, hand_over=shared)
     return headroom_from_run(spec, reference), diagnose_spec(spec, policy=policy, progress=progress,
-                                                             reference=reference)
+                                                             reference=reference, shared=shared)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from ampdoctor.precision._generate import (
 from ampdoctor.precision._keep_fp32 import keep_fp32_transform
 from ampdoctor.precision._positions import first_position, headroom_curve, position_profile
 from ampdoctor.precision._runner import ParamState, RunResult, run
+from ampdoctor.precision._shared_copy import SharedCopy
 from ampdoctor.precision._spec import (
     MAX_STEPS,
     PRECISIONS,
@@ -109,6 +110,7 @@ __all__ = [
     "prepare",
     "run_steps",
     "RunResult",
+    "SharedCopy",
     "ScenarioError",
     "StepSpec",
     "call_model",

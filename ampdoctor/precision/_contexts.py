@@ -133,10 +133,13 @@ def saved_rng() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
-def copy_objects(spec: StepSpec) -> tuple[nn.Module, Any, Any]:
-    """Deep copies of the spec's model, optimizer and scaler, made together (one copy, shared references kept)."""
+def copy_objects(spec: StepSpec, memo: dict[Any, Any] | None = None) -> tuple[nn.Module, Any, Any]:
+    """Deep copies of the spec's model, optimizer and scaler, made together (one copy, shared references kept).
+
+    ``memo``: a ``deepcopy`` memo seeded with the copies of some tensors (a shared copy's recycled storages,
+    :mod:`ampdoctor.precision._shared_copy`)."""
     try:
-        model, optimizer, scaler = copy.deepcopy((spec.model, spec.optimizer, spec.scaler))
+        model, optimizer, scaler = copy.deepcopy((spec.model, spec.optimizer, spec.scaler), memo)
     except Exception as e:
         raise ScenarioError(
             f"cannot copy the model/optimizer/scaler ({type(e).__name__}: {e}); ampdoctor runs on copies so that "

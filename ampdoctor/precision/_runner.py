@@ -15,6 +15,7 @@ from torch import nn
 
 from ampdoctor.precision._heap import release_free_heap
 from ampdoctor.precision._input_errors import input_error
+from ampdoctor.precision._shared_copy import SharedCopy
 from ampdoctor.precision._spec import StepSpec
 from ampdoctor.precision._step import (
     LOW_DTYPES,
@@ -272,15 +273,19 @@ def _describe(prep: Prepared, result: RunResult, names: dict[int, str], owners: 
 
 
 def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: bool = False,
-        headroom: bool = False) -> RunResult:
+        headroom: bool = False, reuse: SharedCopy | None = None, hand_over: SharedCopy | None = None) -> RunResult:
     """Run ``spec.steps`` traced steps on copies; ``reference=True`` is the float32, autocast-free run.
+
+    ``reuse``: make the copy over the storages a previous run handed over; ``hand_over``: hand this run's copy's
+    storages over to the next run when it is done (:class:`~ampdoctor.precision._shared_copy.SharedCopy`; the
+    diagnosis's reference, then its target).
 
     The step is :mod:`ampdoctor.precision._step`'s (the one every caller runs), observed by the trace.
     Exceptions raised by the step are recorded in the result (a crash is part of a diagnosis), except an
     error in the reference run's first forward, which means the input is unusable: that raises
     :class:`ScenarioError`.
     """
-    prep = prepare(spec, reference=reference)
+    prep = prepare(spec, reference=reference, shared=reuse)
     result = RunResult("reference" if reference else "target", prep.precision, TraceResult([], True),
                        device=str(prep.device))
     observer = _TraceObserver(spec, prep, result, headroom)
@@ -292,7 +297,10 @@ def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: b
                                                                      done.fp8)
     if keep_models:
         result.models = (prep.model, prep.optimizer, prep.scaler, prep.batch)
-    elif prep.device.type == "cpu":
+        return result
+    if hand_over is not None:
+        hand_over.keep(prep.model, prep.optimizer)
+    if prep.device.type == "cpu":
         del loop, observer, prep  # the copy goes now (nothing else refers to it): its heap pages go back before
         release_free_heap()       # the next run allocates
     return result

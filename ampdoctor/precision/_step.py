@@ -50,6 +50,7 @@ from ampdoctor.precision._contexts import (
     saved_rng,
 )
 from ampdoctor.precision._input_errors import untrainable
+from ampdoctor.precision._shared_copy import SharedCopy
 from ampdoctor.precision._spec import ScenarioError, StepSpec
 
 log = logging.getLogger(__name__)
@@ -71,15 +72,17 @@ class Prepared:
     reference: bool
 
 
-def prepare(spec: StepSpec, *, reference: bool, round_to: torch.dtype | None = None) -> Prepared:
+def prepare(spec: StepSpec, *, reference: bool, round_to: torch.dtype | None = None,
+            shared: SharedCopy | None = None) -> Prepared:
     """One copy of the step's objects, cast for the run: fp32 (``reference``) or ``spec.precision``.
 
     The optimizer's state is cast with its parameters; the spec's transforms are applied after the cast and a
     DDP reducer is re-synced (a cast leaves its gradient hooks on stale accumulators). ``round_to`` (reference
     only) rounds the floating parameters, buffers and batch tensors to that dtype and back, so the fp32 run starts
-    from exactly what a run in that dtype starts from (the step's own rounding noise). No host sync.
+    from exactly what a run in that dtype starts from (the step's own rounding noise). ``shared``: a previous run's
+    copy hands its storages over (:class:`~ampdoctor.precision._shared_copy.SharedCopy`). No host sync.
     """
-    model, opt, scaler = copy_objects(spec)
+    model, opt, scaler = copy_objects(spec, shared.take() if shared is not None else None)
     try:
         batch = copy.deepcopy(spec.batch)
     except Exception as e:
