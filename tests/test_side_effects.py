@@ -8,12 +8,14 @@ survives the ``with`` block, also when it exits by an exception.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import OrderedDict
 
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import ampdoctor
 
@@ -237,3 +239,36 @@ def test_diagnose_file_leaves_the_rng_state(tmp_path, digest):
     report = ampdoctor.diagnose_file(str(path))
     assert report.ok
     assert digest() == before
+
+
+class _CallLog(TorchFunctionMode):
+    """Logs the name of every torch-level call it sees (a stand-in for the CUDA-policy emulation, a fix's scope)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.calls.append(getattr(func, "__qualname__", None) or str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_trace_adds_no_call_to_a_torch_function_mode(full):
+    """A torch-function mode on the stack for the whole step (as the emulation's step-wide scope is) sees exactly the
+    calls of the untraced step: not the trace's bookkeeping, statistics or samples, nor a second pass of an op the
+    autograd engine dispatched (without the trace no backward op reaches a torch-function mode)."""
+    torch.manual_seed(0)
+    plain = Net().train()
+    traced = copy.deepcopy(plain)
+    x = torch.randn(6, 8)
+    logs = []
+    for model, traced_run in ((plain, False), (traced, True)):
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, foreach=False)
+        torch.manual_seed(1)
+        with _CallLog() as log:
+            with ampdoctor.trace(model, opt, full=full) if traced_run else contextlib.nullcontext():
+                _train(model, opt, [x])
+        logs.append(log.calls)
+    assert len(logs[0]) > 50  # sanity: the mode saw the user's forward, loss, backward() and AdamW's calls
+    assert logs[1] == logs[0]

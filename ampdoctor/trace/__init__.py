@@ -129,6 +129,8 @@ __all__ = [
     "WRITE_FIELDS",
 ]
 
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
+
 
 @dataclass
 class TraceResult:
@@ -186,7 +188,8 @@ class Trace:
             if self.optimizer is not None:
                 self._handles.append(self.optimizer.register_step_pre_hook(self._opt_pre))
                 self._handles.append(self.optimizer.register_step_post_hook(self._opt_post))
-            self._index_params()
+            with _NO_TORCH_FUNCTION():
+                self._index_params()
             self.mode.__enter__()
             self._active = True
         except BaseException:
@@ -243,7 +246,7 @@ class Trace:
 
     def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         self.marks.setdefault("optimizer_step", []).append(len(self.mode.records))
-        with _paused(self.mode):
+        with _paused(self.mode):  # (torch functions off: the parameter index and the callbacks are ours)
             self._index_params()
             for cb in self.on_optimizer_pre:
                 cb()
@@ -270,11 +273,12 @@ class Trace:
 
     def mark(self, kind: str, tensors: Any) -> None:
         """Remember which records produced ``tensors`` (e.g. ``"loss"``, ``"output"``)."""
-        for t in iter_tensors(tensors):
-            if t.is_floating_point():
-                idx = self.index_of(t)
-                if idx is not None:
-                    self.marks.setdefault(kind, []).append(idx)
+        with _NO_TORCH_FUNCTION():
+            for t in iter_tensors(tensors):
+                if t.is_floating_point():
+                    idx = self.index_of(t)
+                    if idx is not None:
+                        self.marks.setdefault(kind, []).append(idx)
 
     def result(self) -> TraceResult:
         """Read the statistics back (one host sync per device) and return the records."""
@@ -285,15 +289,23 @@ class Trace:
 
 
 class _paused:
+    """The trace's own work between ops (parameter index, read-back, the runner's callbacks): not recorded, and with
+    torch functions off, so no torch-function mode or subclass on the stack sees it."""
+
     def __init__(self, mode: RecordingMode) -> None:
         self.mode = mode
+        self.no_tf = _NO_TORCH_FUNCTION()
 
     def __enter__(self) -> None:
         self.prev = self.mode.enabled
         self.mode.enabled = False
+        self.no_tf.__enter__()
 
     def __exit__(self, *exc: object) -> None:
-        self.mode.enabled = self.prev
+        try:
+            self.no_tf.__exit__(None, None, None)
+        finally:
+            self.mode.enabled = self.prev
 
 
 def trace(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, full: bool = False) -> Trace:

@@ -8,9 +8,7 @@ caught by a per-storage writer index, and such an input gets fresh statistics.
 
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,10 +18,10 @@ from ampdoctor.trace._dtypes import flushes_to_zero
 from ampdoctor.trace._identity import Pins, storage_id
 from ampdoctor.trace._identity import tensor_key as _key
 from ampdoctor.trace._modules import ModuleAttribution, user_frame
-from ampdoctor.trace._ops import Kind, Literal, literal_values, op_info, ops_with
+from ampdoctor.trace._opdesc import OpDesc, dtype_name, flat, gather, op_desc
+from ampdoctor.trace._ops import Literal, literal_values
 from ampdoctor.trace._sample import Sketches
 from ampdoctor.trace._stats import (
-    BOUNDED_OPS,
     CHEAP_FIELDS,
     FULL_FIELDS,
     HEADROOM_FORMATS,
@@ -32,13 +30,10 @@ from ampdoctor.trace._stats import (
     full_stats,
     lite_stats,
 )
-from ampdoctor.trace._writes import HIDDEN_WRITES, WriteLog
+from ampdoctor.trace._writes import WriteLog
 
 _current_node = torch._C._current_autograd_node
-#: ops whose single output holds exactly the elements of their first input: they reuse its statistics row
-ALIASES = ops_with(Kind.SAME_ELEMENTS)
-#: ops whose output memory is uninitialised: never read (their statistics would describe garbage)
-UNINITIALISED = ops_with(Kind.UNINITIALISED)
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 
 
 class OpRecord:
@@ -82,19 +77,6 @@ class OpRecord:
         return f"OpRecord(#{self.index} {self.op} module={self.module!r} {self.phase} {self.dtype} {self.shape})"
 
 
-@functools.cache
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def _flat(obj: Any, out: list[torch.Tensor]) -> None:
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            _flat(o, out)
-
-
 def _safe(fn: Any, t: torch.Tensor, *extra: Any, width: int | None = None) -> Any:
     """Statistics must never break the user's step: on failure, a row of NaN marks the record unknown.
 
@@ -114,62 +96,6 @@ def _safe(fn: Any, t: torch.Tensor, *extra: Any, width: int | None = None) -> An
 def _placeholder(t: torch.Tensor, n: int) -> torch.Tensor:
     """A finite all-zero statistics row for a tensor whose contents are not data yet."""
     return torch.zeros(n, dtype=torch.float64, device=t.device)
-
-
-def _gather(args: Any, kwargs: dict[str, Any], write_only: frozenset[str]) -> tuple[list[torch.Tensor], list[float]]:
-    """One walk over an op's arguments: its tensors (nested in lists too; ``out=`` buffers are not inputs: their
-    memory is not data yet) and its Python number arguments (``alpha``, ``scale``, ``eps``...), positional then
-    keyword."""
-    ins: list[torch.Tensor] = []
-    scalars: list[float] = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            ins.append(a)
-        elif isinstance(a, (list, tuple)):
-            _flat(a, ins)
-        elif isinstance(a, (int, float)) and not isinstance(a, bool):
-            scalars.append(float(a))
-    for k, v in kwargs.items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            scalars.append(float(v))
-        elif k not in write_only:
-            _flat(v, ins)
-    return ins, scalars
-
-
-@dataclass(frozen=True, slots=True)
-class OpDesc:
-    """What the recording mode needs to know about one op overload, worked out once from its schema and the op
-    registry (:mod:`ampdoctor.trace._ops`) and looked up once per call."""
-
-    name: str  # ``aten.add.Tensor``
-    base: str  # ``add``
-    view: bool  # returns a view of an input
-    mutable: bool  # the schema writes an argument
-    write_only: frozenset[str]  # keyword-only arguments it writes into (``out=``): never read as inputs
-    arg_names: tuple[str, ...]  # schema argument names (where its literals sit)
-    literals: bool  # the registry declares literal arguments for it
-    writes: bool  # mutates, or writes running statistics its schema does not mark (:data:`HIDDEN_WRITES`)
-    uninit: bool  # its output memory is uninitialised
-    alias: bool  # its single output holds exactly its first input's elements
-    bounded: str | None  # the bound its outputs can reach (:data:`BOUNDED_OPS`)
-    collective: bool  # a ``c10d`` collective
-
-
-@functools.cache
-def op_desc(func: Any) -> OpDesc:
-    """The :class:`OpDesc` of an op overload, cached."""
-    schema = func._schema
-    base = func.overloadpacket.__name__
-    return OpDesc(
-        name=str(func), base=base,
-        view=not schema.is_mutable and len(schema.returns) == 1 and schema.returns[0].alias_info is not None,
-        mutable=schema.is_mutable,
-        write_only=frozenset(a.name for a in schema.arguments
-                             if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write),
-        arg_names=tuple(a.name for a in schema.arguments), literals=bool(op_info(base).literals),
-        writes=schema.is_mutable or base in HIDDEN_WRITES, uninit=base in UNINITIALISED, alias=base in ALIASES,
-        bounded=BOUNDED_OPS.get(base), collective=str(func).startswith("c10d."))
 
 
 class RecordingMode(TorchDispatchMode):
@@ -301,7 +227,7 @@ class RecordingMode(TorchDispatchMode):
             return out
         if phase == "optimizer":
             outs: list[torch.Tensor] = []
-            _flat(out, outs)
+            flat(out, outs)
             if not outs and mutable:
                 self._written(func, args, kwargs, outs)
             for t in outs:
@@ -319,7 +245,7 @@ class RecordingMode(TorchDispatchMode):
                 self._cheap_record(op, module, phase, node, out)
             return out
         outs = []
-        _flat(out, outs)
+        flat(out, outs)
         for t in outs:
             if t.is_floating_point():
                 self._cheap_record(op, module, phase, node, t)
@@ -340,16 +266,16 @@ class RecordingMode(TorchDispatchMode):
         """Arguments an in-place op writes (``_foreach_add_`` returns nothing: these are its outputs)."""
         for i, arg in enumerate(func._schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write:
-                _flat(kwargs.get(arg.name) if arg.kwarg_only else (args[i] if i < len(args) else None), outs)
+                flat(kwargs.get(arg.name) if arg.kwarg_only else (args[i] if i < len(args) else None), outs)
 
     def _record_error(self, func: Any, args: Any, kwargs: Any, node: Any, phase: str, module: str,
                       e: Exception, in_idx: tuple[int, ...] = ()) -> None:
         if self.error is not None:
             return
         ins: list[torch.Tensor] = []
-        _flat(args, ins)
+        flat(args, ins)
         for v in kwargs.values():
-            _flat(v, ins)
+            flat(v, ins)
         if not module:
             module = self._module(node, phase, ins)
         self.error = {
@@ -364,19 +290,24 @@ class RecordingMode(TorchDispatchMode):
         }
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        kwargs = kwargs or {}
-        if not self.enabled:
-            return func(*args, **kwargs)
-        if not self.full:
-            return self._cheap(func, args, kwargs)
-        return self._full_op(func, args, kwargs)
+        # Below the torch-function layer: a call reaches this handler after every torch-function mode and subclass
+        # on its way (or, from the autograd engine, without any). The bookkeeping and the op's re-call run with
+        # torch functions off, so a mode on the stack (the CUDA-policy emulation's step-wide scope, a fix's scope)
+        # sees exactly the calls it sees without the trace: none of ours, no second pass of the op.
+        with _NO_TORCH_FUNCTION():
+            kwargs = kwargs or {}
+            if not self.enabled:
+                return func(*args, **kwargs)
+            if not self.full:
+                return self._cheap(func, args, kwargs)
+            return self._full_op(func, args, kwargs)
 
     def _full_op(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """The full tier: link the op's floating inputs to their records, run it, record its floating outputs."""
         node = _current_node()
         phase = self._phase(node)
         d = op_desc(func)
-        ins, scalars = _gather(args, kwargs, d.write_only)
+        ins, scalars = gather(args, kwargs, d.write_only)
         floats = [t for t in ins if t.is_floating_point()]
         module = self._module(node, phase, ins)
         in_idx = tuple(self._input_index(t, phase, module) for t in floats if not t.is_meta)
@@ -392,13 +323,13 @@ class RecordingMode(TorchDispatchMode):
             outs = [out]
         else:
             outs = []
-            _flat(out, outs)
+            flat(out, outs)
             if not outs and d.mutable:
                 self._written(func, args, kwargs, outs)
         if outs:
             shared = (user_frame() if phase == "forward" or self._loop_code(phase) else None, tuple(scalars),
                       literal_values(d.base, args, kwargs, d.arg_names) if d.literals else (),
-                      tuple(_dtype_name(t.dtype) for t in floats),
+                      tuple(dtype_name(t.dtype) for t in floats),
                       self.sketch.index_sources(ins) if len(floats) < len(ins) else ())
             node_name = type(node).__name__ if node is not None else ""
             for pos, t in enumerate(outs):

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
+
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
               os.path.dirname(torch.nn.__file__))
 
@@ -95,10 +97,11 @@ class ModuleAttribution:
     def _pre(self, name: str):  # noqa: ANN202
         def hook(mod: nn.Module, args: Any, kwargs: Any) -> None:
             start = self._max_seq
-            for t in iter_tensors((args, kwargs)):
-                fn = t.grad_fn
-                if fn is not None:
-                    start = max(start, fn._sequence_nr())
+            with _NO_TORCH_FUNCTION():  # ours: no torch-function mode or subclass sees these reads
+                for t in iter_tensors((args, kwargs)):
+                    fn = t.grad_fn
+                    if fn is not None:
+                        start = max(start, fn._sequence_nr())
             if not self.stack:
                 self.calls += 1
             self.stack.append(name)
@@ -118,7 +121,8 @@ class ModuleAttribution:
             self.stack.pop()
             start = self._starts.pop()
             if torch.is_grad_enabled():
-                self._own(output, name, start)
+                with _NO_TORCH_FUNCTION():
+                    self._own(output, name, start)
 
         return hook
 
