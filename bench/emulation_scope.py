@@ -4,7 +4,8 @@
 
 The target run keeps the emulation's torch-function mode on the stack for the whole step (autocast off outside the
 forward), so that a checkpoint's recompute in the backward is emulated too; every Python-level torch call of the
-step outside the forward (the optimizer's, and the trace's own bookkeeping) now passes through the mode. This
+step outside the forward (the optimizer's; the trace's own work runs with torch functions off) passes through the
+mode. This
 compares, in one process and interleaved per round, a full-tier traced training step whose forward runs under
 ``cuda_autocast`` (what the target run does), inside and outside ``cuda_autocast(dtype, enabled=False)`` around the
 whole step (the scope). Ratio = median over rounds of (with / without).
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import datetime
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -32,22 +35,18 @@ import ampdoctor  # noqa: E402
 from ampdoctor.precision import cuda_autocast  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-NOTES = """## Where the cost comes from (cProfile of one fp16-amp diagnose, small config)
+NOTES = """## What the scope costs now, and why
 
-Not from casting: outside the forward the scope's autocast is off and the mode casts nothing. The cost is the
-trace's own Python bookkeeping in the backward and optimizer phases (`tensor_key`'s storage/offset/stride reads,
-the input and output walks of `_full_op`/`_record_output`, the runner's coverage reads: ~20,000 Tensor method calls
-per run), which now pass through the torch-function mode as the forward's already did. A fast path for "autocast off
-everywhere" inside the mode's handler did not measurably help (1.13x / 1.14x in one run): the price is torch's
-torch-function dispatch itself, not the handler's body. (That fast path and the whole-diagnose A/B -- 1.18x fp16-amp,
-1.12x bf16-amp, 7 rounds -- were measured by a first version of this script that swapped the runner's scope out
-through a private name; bench scripts use the public API only, so this one measures the traced target step itself.)
-The fix at the right depth is for the trace's dispatch
-handler to run its bookkeeping with torch functions disabled (only the op call itself seen by the modes above it),
-which would also take the same cost out of every emulated forward; not done in this round (it touches how the
-emulation sees the aten calls made inside the trace's handler, and needs its own bitwise checks). On the 750M
-config the trace's per-op bookkeeping is a much smaller share of a run (~2.8x a steady step per run there, mostly
-copies, page faults and statistics passes), so the scope's share is expected to be smaller; not measured there.
+The mode casts nothing outside the forward (the scope's autocast is off there); its cost is torch's torch-function
+dispatch of every Python-level call made while it is on the stack. Until the trace ran its handler with torch functions
+off, those included the trace's own work in the backward: the re-call of every op the autograd engine dispatched (which
+without the trace never reaches a torch-function mode) and every Tensor method of its bookkeeping (`tensor_key`'s
+storage/offset/stride reads, input/output walks, samples, module hooks): ~42,000 calls per traced step of this config,
+1.156x fp16-amp and bf16-amp (measured on 60b71c4, load ~1). The trace's dispatch handler, its module hooks and its own
+work between ops now run under `torch._C.DisableTorchFunction()`: a mode on the stack sees exactly the calls of the
+untraced step (tested in `tests/test_side_effects.py`). What is left is the user's own step outside the forward
+(AdamW's calls, `zero_grad`, `backward()`): the deterministic count in the table (cProfile, one traced step) is what a
+CUDA-policy target run pays for its scope.
 """
 
 
@@ -67,6 +66,20 @@ def _traced_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict
     return time.perf_counter() - t
 
 
+def _mode_calls(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict, dtype: torch.dtype,
+                scoped: bool) -> int:
+    """Calls of the emulation's ``__torch_function__`` in one traced step (cProfile's count: deterministic)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        _traced_step(model, opt, batch, dtype, scoped)
+    finally:
+        prof.disable()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    return sum(v[1] for (path, _, name), v in stats.items()
+               if name == "__torch_function__" and path.replace(os.sep, "/").endswith("precision/emulation.py"))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="small")
@@ -83,7 +96,8 @@ def main() -> int:
             for scoped in ((True, False) if r % 2 == 0 else (False, True)):
                 times["with" if scoped else "without"].append(_traced_step(model, opt, batch, dtype, scoped))
         ratios = [a / b for a, b in zip(times["with"], times["without"])]
-        rows[precision] = {"times_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
+        calls = {k: _mode_calls(model, opt, batch, dtype, k == "with") for k in ("with", "without")}
+        rows[precision] = {"mode_calls": calls, "times_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
                            "median_with": statistics.median(times["with"]),
                            "median_without": statistics.median(times["without"]),
                            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
@@ -100,10 +114,12 @@ def main() -> int:
              f"{doc['loadavg'][1]} at end (2 shared cores). {args.rounds} interleaved rounds per precision; "
              "ratio = median of (a traced target step inside the step-wide scope / the same step without it; "
              "the forward is under `cuda_autocast` in both, the trace is the full tier diagnose runs).", "",
-             "| precision | with scope | without | ratio (min–max) |", "|---|---|---|---|"]
+             "| precision | with scope | without | ratio (min–max) | emulation calls per step, with / without |",
+             "|---|---|---|---|---|"]
     for p, r in rows.items():
         lines.append(f"| {p} | {r['median_with']:.3f} s | {r['median_without']:.3f} s | {r['ratio']:.3f}× "
-                     f"({r['ratio_min']:.3f}–{r['ratio_max']:.3f}) |")
+                     f"({r['ratio_min']:.3f}–{r['ratio_max']:.3f}) | {r['mode_calls']['with']} / "
+                     f"{r['mode_calls']['without']} |")
     with open(os.path.join(RESULTS, "emulation_scope.md"), "w") as f:
         f.write("\n".join(lines) + "\n\n" + NOTES)
     return 0
