@@ -50,7 +50,9 @@ def low_precision_params(ctx: Context) -> list[Candidate]:
     (the how-manieth write to that tensor in the step), ``op``, ``op_module`` (the module whose code ran the write;
     ``""`` for the training-step code outside every module), ``owner``, ``source`` (``file:line`` of the user's
     code), ``fraction_lost``, ``moving`` (elements the exact update changes), ``mean_update``, ``applied_ratio``
-    (applied / exact update), ``ulp_at_1``, ``fraction_lost_fp32`` and ``applied_fp32`` (the reference's same write).
+    (applied / exact update), ``ulp_at_1``, ``fraction_lost_fp32`` and ``applied_fp32`` (the reference's same write),
+    and ``update_factor`` / ``update_factor_op`` when a literal factor of the write or its feeders (2 hops) that is
+    below the dtype's spacing at 1.0 scaled the update (an EMA's ``(1 - decay) * (e - p)``: 1e-4 for decay 0.9999).
     """
     out: list[Candidate] = []
     seen: set[str] = set()

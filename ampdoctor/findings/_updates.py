@@ -20,11 +20,11 @@ import math
 import os
 from typing import Any
 
-from ampdoctor.findings._common import HALF, fmt
+from ampdoctor.findings._common import HALF, feeders, fmt, op_base
 from ampdoctor.findings._context import Context
 from ampdoctor.findings._registry import Candidate
 from ampdoctor.findings._types import Finding, FixProposal
-from ampdoctor.trace import WriteRecord, unit_roundoff
+from ampdoctor.trace import Role, WriteRecord, unit_roundoff
 
 #: a write loses its update when more than this fraction of the elements it should change keep their value
 LOST_FRACTION = 0.5
@@ -61,6 +61,31 @@ def _evidence(w: WriteRecord, ref: WriteRecord | None) -> dict[str, Any]:
         ev["fraction_lost_fp32"] = ref.fraction_lost
         ev["applied_fp32"] = ref.stats.get("applied", math.nan)
     return ev
+
+
+def _small_factor(ctx: Context, w: WriteRecord) -> tuple[float, str] | None:
+    """A literal factor the update was scaled by (the write's op or its feeders, 2 hops: ``(1 - decay) * (e - p)``,
+    ``add_(g, alpha=-lr)``) that is below the stored dtype's relative spacing: ``(factor, op)``."""
+    if not 0 <= w.index < len(ctx.records) or ctx.records[w.index].op != w.op:
+        return None
+    r = ctx.records[w.index]
+    spacing = 2 * unit_roundoff(w.dtype)
+    for x in [r, *feeders(ctx.records, r, 2)]:
+        for lit, v in x.literals:
+            f = 1 / v if lit.role == Role.FACTOR and op_base(x.op) in ("div", "div_") and v else v
+            if lit.role == Role.FACTOR and 0 < abs(f) < spacing:
+                return f, x.op
+    return None
+
+
+def _factor_text(factor: tuple[float, str] | None, dtype: str) -> str:
+    if factor is None:
+        return ""
+    f, op = factor
+    return (f" The update is scaled by the literal {f:g} (in {op}; for an EMA that is 1 - decay, decay = {1 - f:g}; "
+            f"for an optimizer the learning rate), below {dtype}'s spacing at 1.0 ({fmt(2 * unit_roundoff(dtype))}): "
+            "a step that small moves a stored value only where the difference it scales is far larger than the "
+            "value itself.")
 
 
 def _lost(w: WriteRecord) -> bool:
@@ -119,13 +144,16 @@ def lost_updates(ctx: Context, seen: set[str], master: FixProposal) -> list[Cand
     for w, ref in sorted(found, key=lambda p: (p[0].step, -_lost_mass(p[0]))):
         seen.add(w.owner)
         ev = _evidence(w, ref)
+        factor = _small_factor(ctx, w)
+        if factor is not None:
+            ev["update_factor"], ev["update_factor_op"] = factor
         what = {"parameter": "parameter", "buffer": "buffer", "grad": "accumulated gradient of"}[w.target]
         expl = (f"In step {w.step}, {_where(w)} writes the {w.dtype} {what} {w.name}: {w.fraction_lost:.0%} of the "
                 f"{ev['moving']} elements it should change kept their old value and the update it applied is "
                 f"{ev['applied_ratio']:.0%} of the exact one (mean exact update {fmt(ev['mean_update'])}; the ulp "
                 f"at 1.0 is {fmt(ev['ulp_at_1'])}, so any update below half an ulp of the stored value rounds "
                 "away)" + (f"; the fp32 reference's same write loses {ref.fraction_lost:.0%}" if ref else "")
-                + ". The update is silently dropped.")
+                + ". The update is silently dropped." + _factor_text(factor, w.dtype))
         title = (f"{w.owner or '<root>'}: {w.dtype} {w.target} updates by {w.op.split('.')[1]} are lost to "
                  f"rounding")
         out.append(Candidate(Finding("low-precision-params", "error", w.owner, w.op, w.phase, title, expl, ev,

@@ -228,6 +228,8 @@ def test_ema_bf16_numbers() -> None:
     e = e0
     assert torch.equal((e.float() - step).bfloat16(), e) and (step != 0).any()  # the EMA step rounds away
     assert any(x.snippet and "float()" in x.snippet for x in f.fixes)
+    assert f.evidence["update_factor"] == pytest.approx(1e-4) and f.evidence["update_factor_op"] == "aten.mul.Tensor"
+    assert "decay = 0.9999" in f.explanation and 1e-4 < 2.0**-7  # 1 - decay below bf16's spacing at 1.0
 
 
 @pytest.mark.parametrize("name,schedule,ts", [
