@@ -360,6 +360,9 @@ class cuda_autocast:  # noqa: N801 - a context manager named like torch.autocast
 #: aten GEMM-like ops (default overloads) that ``cuda_gemm`` computes in float32: everything ``mm``/``addmm``/
 #: ``bmm``/``baddbmm``/``matmul``/``linear``/``einsum`` and convolutions decompose into below autograd.
 GEMM_OPS: frozenset[Any] = frozenset(getattr(torch.ops.aten, n).default for n in ops_with(Kind.GEMM))
+# (looked up by identity: an OpOverload's ``__hash__`` is a Python call, paid by every op the mode sees; GEMM_OPS holds
+# the overloads, so their ids stay theirs)
+_GEMM_IDS: frozenset[int] = frozenset(id(f) for f in GEMM_OPS)
 #: low-precision dtypes whose GEMMs ``cuda_gemm`` widens.
 GEMM_DTYPES: frozenset[torch.dtype] = frozenset(SUPPORTED_DTYPES)
 #: ``AMPDOCTOR_GEMM`` values: ``cuda`` (fp32 accumulation, default) or ``native`` (torch's kernels).
@@ -424,7 +427,7 @@ class cuda_gemm(TorchDispatchMode):  # noqa: N801 - a context manager, like cuda
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
-        if self.enabled and func in GEMM_OPS:
+        if self.enabled and id(func) in _GEMM_IDS:
             dtype = _low_dtype(args, kwargs, self.device_type)
             if dtype is not None:
                 return _round(func(*_widen(args, dtype), **_widen(kwargs, dtype)), dtype)

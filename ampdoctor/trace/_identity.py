@@ -16,6 +16,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 Key = tuple[Any, ...]
+#: where a key holds the storage identity (hot paths index it directly; :func:`storage_id` elsewhere)
+STORAGE = 5
 
 
 def tensor_key(t: torch.Tensor) -> Key | None:
@@ -29,7 +31,7 @@ def tensor_key(t: torch.Tensor) -> Key | None:
 
 def storage_id(key: Key) -> int:
     """The storage identity inside a key (what writes through another view of the same memory share)."""
-    return int(key[5])
+    return int(key[STORAGE])
 
 
 class Pins:

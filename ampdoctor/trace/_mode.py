@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ampdoctor.trace._dtypes import flushes_to_zero
-from ampdoctor.trace._identity import Pins, storage_id
+from ampdoctor.trace._identity import STORAGE, Pins
 from ampdoctor.trace._identity import tensor_key as _key
 from ampdoctor.trace._modules import ModuleAttribution, user_frame
 from ampdoctor.trace._opdesc import OpDesc, dtype_name, flat, gather, op_desc
@@ -80,14 +80,14 @@ class OpRecord:
 def _safe(fn: Any, t: torch.Tensor, *extra: Any, width: int | None = None) -> Any:
     """Statistics must never break the user's step: on failure, a row of NaN marks the record unknown.
 
-    They run outside every other mode (torch-function modes such as the precision emulation, dispatch modes
-    below this one): they are ours, not the step's, so nothing may cast, count or intercept them."""
+    They run outside every other mode (torch-function modes such as the precision emulation: off in the whole
+    handler, see ``__torch_dispatch__``; dispatch modes below this one: disabled here): they are ours, not the
+    step's, so nothing may cast, count or intercept them."""
     try:
-        with torch._C.DisableTorchFunction():
-            if torch._C._len_torch_dispatch_stack():
-                with _disable_current_modes():
-                    return fn(t, *extra)
-            return fn(t, *extra)
+        if torch._C._len_torch_dispatch_stack():
+            with _disable_current_modes():
+                return fn(t, *extra)
+        return fn(t, *extra)
     except Exception:  # noqa: BLE001 - observation must not raise into user code
         n = width if width is not None else len(CHEAP_FIELDS) if fn is cheap_stats else len(FULL_FIELDS)
         return torch.full((n,), math.nan, dtype=torch.float64, device=t.device)
@@ -148,23 +148,23 @@ class RecordingMode(TorchDispatchMode):
     def _module(self, node: Any, phase: str, tensors: list[torch.Tensor]) -> str:
         if phase == "backward":
             return self.attr.backward_owner(node)
+        if phase != "optimizer":
+            return self.attr.current
         if self._loop_code(phase):
             return ""
-        if phase == "optimizer":
-            for t in tensors:
-                try:
-                    name = self.ptr_owner.get(t.untyped_storage().data_ptr())
-                except Exception:
-                    name = None
-                if name is not None:
-                    return name
-            for t in tensors:  # temporaries and state created inside step(): the module of their producer
-                key = _key(t)
-                idx = self.producer.get(key) if key is not None else None
-                if idx is not None and self.records[idx].module:
-                    return self.records[idx].module
-            return ""
-        return self.attr.current
+        for t in tensors:
+            try:
+                name = self.ptr_owner.get(t.untyped_storage().data_ptr())
+            except Exception:
+                name = None
+            if name is not None:
+                return name
+        for t in tensors:  # temporaries and state created inside step(): the module of their producer
+            key = _key(t)
+            idx = self.producer.get(key) if key is not None else None
+            if idx is not None and self.records[idx].module:
+                return self.records[idx].module
+        return ""
 
     def _leaf(self, t: torch.Tensor, key: tuple[Any, ...] | None, phase: str, module: str) -> int:
         idx = len(self.records)
@@ -194,7 +194,7 @@ class RecordingMode(TorchDispatchMode):
         if key is None:
             return -1
         idx = self.producer.get(key)
-        w = self.storage_writer.get(storage_id(key))
+        w = self.storage_writer.get(key[STORAGE])
         if idx is None or (w is not None and w > idx):
             # unseen, or changed through another view since it was produced: fresh statistics
             idx2 = self._leaf(t, key, phase, module)
@@ -310,7 +310,7 @@ class RecordingMode(TorchDispatchMode):
         ins, scalars = gather(args, kwargs, d.write_only)
         floats = [t for t in ins if t.is_floating_point()]
         module = self._module(node, phase, ins)
-        in_idx = tuple(self._input_index(t, phase, module) for t in floats if not t.is_meta)
+        in_idx = tuple([self._input_index(t, phase, module) for t in floats if not t.is_meta])
         pending = self.writes.before(func, args, kwargs, node) if d.writes else None
         try:
             out = func(*args, **kwargs)
@@ -327,9 +327,9 @@ class RecordingMode(TorchDispatchMode):
             if not outs and d.mutable:
                 self._written(func, args, kwargs, outs)
         if outs:
-            shared = (user_frame() if phase == "forward" or self._loop_code(phase) else None, tuple(scalars),
-                      literal_values(d.base, args, kwargs, d.arg_names) if d.literals else (),
-                      tuple(dtype_name(t.dtype) for t in floats),
+            shared = (user_frame() if phase == "forward" or (phase == "optimizer" and self._loop_code(phase)) else None,
+                      tuple(scalars), literal_values(d.base, args, kwargs, d.arg_names) if d.literals else (),
+                      tuple([dtype_name(t.dtype) for t in floats]),
                       self.sketch.index_sources(ins) if len(floats) < len(ins) else ())
             node_name = type(node).__name__ if node is not None else ""
             for pos, t in enumerate(outs):
@@ -375,7 +375,7 @@ class RecordingMode(TorchDispatchMode):
         if key is not None:
             self.producer[key] = idx
             if d.mutable:
-                self.storage_writer[storage_id(key)] = idx
+                self.storage_writer[key[STORAGE]] = idx
 
     def _lite_row(self, t: torch.Tensor) -> Any:
         """:func:`lite_stats` (parameter leaves, optimizer outputs); in headroom mode padded with zero flush counts.

@@ -72,9 +72,23 @@ class OpDesc:
     collective: bool  # a ``c10d`` collective
 
 
-@functools.cache
+#: id of an op overload -> (the overload, its descriptor). Keyed by identity, not by the overload: an OpOverload's
+#: ``__hash__`` is a Python method, one Python call per lookup per op; the entry holds the overload, so its id is never
+#: reused by another object.
+_DESCS: dict[int, tuple[Any, OpDesc]] = {}
+
+
 def op_desc(func: Any) -> OpDesc:
     """The :class:`OpDesc` of an op overload, cached."""
+    hit = _DESCS.get(id(func))
+    if hit is not None and hit[0] is func:
+        return hit[1]
+    desc = _describe(func)
+    _DESCS[id(func)] = (func, desc)
+    return desc
+
+
+def _describe(func: Any) -> OpDesc:
     schema = func._schema
     base = func.overloadpacket.__name__
     return OpDesc(
