@@ -26,7 +26,8 @@ def watch_accelerator(accelerator: Any, model: Any, optimizer: Any = None, **wat
     steps do not run in the ``mixed_precision`` asked for, the report's ``precision_note`` says so."""
     unwrap = getattr(accelerator, "unwrap_model", None)
     inner = unwrap(model) if callable(unwrap) else model
-    w = watch(inner, optimizer, getattr(accelerator, "scaler", None), **watch_options)
+    # the loop's own loss code (loss = loss_fn(model(x), y)) is recorded, so the replay runs it too
+    w = watch(inner, optimizer, getattr(accelerator, "scaler", None), **{"loss_code": True, **watch_options})
     mp = str(getattr(accelerator, "mixed_precision", "no"))
     if mp in ("fp16", "bf16"):      # mixed_precision="fp16" on CPU runs in fp32: the report says so
         w.expect_precision(mp, f"Accelerator(mixed_precision={mp!r})")

@@ -51,7 +51,8 @@ class AmpDoctorCallback(TrainerCallback):
             log.warning("ampdoctor: Trainer passed no model to on_train_begin; nothing is watched")
             return
         scaler = getattr(optimizer, "scaler", None)      # accelerate's AcceleratedOptimizer holds the GradScaler
-        self.watch = watch(model, optimizer, scaler, **self.watch_options)
+        # a compute_loss of the user's own (the model returns no loss): the replay runs it too
+        self.watch = watch(model, optimizer, scaler, **{"loss_code": True, **self.watch_options})
         self.watch.__enter__()
         for flag in ("fp16", "bf16"):       # fp16=True on CPU runs in fp32: the report says so (precision_note)
             if getattr(args, flag, False) is True:

@@ -95,6 +95,8 @@ class Watch:
             if self.options.tensorboard is not None:
                 self._sinks.open_tensorboard(os.fspath(self.options.tensorboard))
             self._health.ready = True
+            if self.options.loss_code:
+                self.record_loss_code()
         except Exception as exc:  # noqa: BLE001
             self._health.disable(exc)
         return self
@@ -275,7 +277,8 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
           scaler: torch.amp.GradScaler | None = None, *, on_anomaly: OnAnomaly = "warn",
           reproducer_dir: str | os.PathLike[str] | None = None, coverage_steps: int = 3,
           grad_spike_factor: float = 10.0, tensorboard: str | os.PathLike[str] | None = None,
-          collapse_steps: int = 3, source: str = "", locate: bool = True, ranks: bool = True) -> Watch:
+          collapse_steps: int = 3, source: str = "", locate: bool = True, ranks: bool = True,
+          loss_code: bool = False) -> Watch:
     """Guard a training loop you wrote yourself; a context manager returning a :class:`Watch`.
 
     >>> with ampdoctor.watch(model, optimizer, scaler, reproducer_dir="repro") as w:     # doctest: +SKIP
@@ -302,7 +305,8 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     (DDP-unwrapped) module, the optimizer/scaler state, the batch and RNG — under :func:`ampdoctor.diagnose`,
     which names the module, op and phase; its findings then lead :meth:`Watch.report`. The replay never issues a
     collective. Cost: nothing per step; on that anomaly one CPU copy of the model state and one diagnosis.
-    ``locate=False`` keeps the module-level hint only.
+    ``locate=False`` keeps the module-level hint only. ``loss_code=True``: a loss the loop computes from the output
+    is recorded each step, so the replay runs it too (:meth:`Watch.record_loss_code`; integrations turn it on).
 
     ``on_anomaly``: ``"warn"`` logs one warning per anomaly kind; ``"raise"`` raises :class:`AnomalyError` from
     the call where it is detected (``optimizer.step()`` before the weights change, or the next forward for
@@ -324,12 +328,14 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     reference until the next one. An internal error disables the failing part with one warning; training continues.
     Param groups added later are re-read; a rebuilt optimizer gets one warning (:class:`Watch`).
     """
+    # long: the docstring is the reference of every option; the body is six lines
     def path(v: Any) -> Any:  # a wrong type is reported by WatchOptions, naming the argument
         return os.fspath(v) if isinstance(v, os.PathLike) else v
 
     opts = WatchOptions(on_anomaly=on_anomaly, reproducer_dir=path(reproducer_dir), coverage_steps=coverage_steps,
                         grad_spike_factor=grad_spike_factor, tensorboard=path(tensorboard),
-                        collapse_steps=collapse_steps, source=source, locate=locate, ranks=ranks)
+                        collapse_steps=collapse_steps, source=source, locate=locate, ranks=ranks,
+                        loss_code=loss_code)
     return Watch(model, optimizer, scaler, opts)
 
 

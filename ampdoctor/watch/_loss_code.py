@@ -17,6 +17,7 @@ ran the forward alone).
 
 from __future__ import annotations
 
+import builtins
 import logging
 import types
 from collections import deque
@@ -73,7 +74,7 @@ def _at(where: tuple[str, int] | None) -> Callable[..., Any]:
     """A caller of a recorded function whose frame carries the script's file and line (so an op located in the
     replay names the script's statement, not this module); it runs only ``func(*args, **kwargs)``."""
     code = _CALL if where is None else _CALL.replace(co_filename=where[0], co_firstlineno=where[1])
-    return types.FunctionType(code, {})
+    return types.FunctionType(code, {"__builtins__": builtins})
 
 
 @dataclass(frozen=True)
@@ -196,8 +197,8 @@ class LossRecorder(TorchFunctionMode):
 class LossCodeTap:
     """Records each training step's loss code on ``model`` (a forward hook on the root module, a step pre-hook on
     the optimizer to leave the mode stack); keeps the last two steps' :class:`LossProgram` (a step that starts from
-    inf/NaN weights replays the step before it). A model that returns its loss itself is not recorded (a replay
-    runs its forward, loss included)."""
+    inf/NaN weights replays the step before it), of each step its last micro-batch's (the inputs a replay has). A
+    model that returns its loss itself is not recorded (a replay runs its forward, loss included)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, step_of: Callable[[], int],
                  health: Health) -> None:
@@ -238,6 +239,8 @@ class LossCodeTap:
         if rec is None:
             return
         if rec.program is not None and not any(p is rec.program for _, p in self._programs):
+            if self._programs and self._programs[-1][0] == self._step:   # gradient accumulation: one forward
+                self._programs.pop()         # and backward per micro-batch; a step keeps its last micro-batch's
             self._programs.append((self._step, rec.program))
         if not rec.done and self._step != self._step_of():
             rec.stop("the step ended before backward()")

@@ -34,6 +34,8 @@ class WatchOptions:
     2+ ranks, exchange one tiny table per optimizer step so every rank's report names the rank that saw the first
     non-finite value (``origin_rank``) and ``raise``/``skip`` are agreed (:mod:`ampdoctor.watch._ranks`); every
     rank must then enter the watch. ``ranks=False``: each rank reports alone (a watch on one rank only).
+    ``loss_code``: when the model returns no loss (the loop computes it from the output), record each step's loss
+    code so that the replay runs it too (:meth:`Watch.record_loss_code`; the integrations turn it on).
     """
 
     on_anomaly: OnAnomaly = "warn"
@@ -49,6 +51,7 @@ class WatchOptions:
     collapse_scale_bits: int = 12
     locate: bool = True
     ranks: bool = True
+    loss_code: bool = False
 
     def __post_init__(self) -> None:
         if self.on_anomaly not in ON_ANOMALY:
@@ -76,7 +79,7 @@ class WatchOptions:
             v = getattr(self, name)
             if v is not None and not isinstance(v, (str, os.PathLike)):
                 raise TypeError(f"{name} must be a directory path or None, got {type(v).__name__}")
-        for name in ("locate", "ranks"):
+        for name in ("locate", "ranks", "loss_code"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if not isinstance(self.source, str):

@@ -365,8 +365,9 @@ _UNREPRODUCED = {
         "re-runs only the model's forward with the recorded inputs, ran the forward alone{prec}: it stayed finite "
         "there. The inf/NaN therefore starts after the model's output: in the loss the script computes (e.g. log, "
         "pow or exp of a saturated sigmoid/softmax) or in that loss's backward. To name the op, let the replay run "
-        "the loss: compute it inside a module (a wrapper whose forward returns it), or pass it: "
-        "w.replay_with(train_step), ampdoctor.replay(FILE, loss_fn=...), ampdoctor.diagnose(..., loss_fn=...)."),
+        "the loss: compute it inside a module (a wrapper whose forward returns it), record it "
+        "(ampdoctor.watch(..., loss_code=True)), or pass it: w.replay_with(train_step), "
+        "ampdoctor.replay(FILE, loss_fn=...), ampdoctor.diagnose(..., loss_fn=...)."),
     "not-repeated": (
         "The replay of step {step} did not reproduce it: it re-ran the step from the recorded state and inputs"
         "{prec} and saw no inf/NaN, so what made it depends on something the replay does not repeat (data or "
@@ -379,7 +380,8 @@ def not_reproduced(replay: Report, kind: str, step: int, custom_step: bool) -> d
     """Why an in-process replay of a non-finite ``kind`` anomaly found no inf/NaN origin, or None when it found
     one (or the anomaly is not about non-finite values). The mechanism: the replay ran forward only (the model
     returns no loss and no ``train_step`` was given), or it ran the whole step and stayed finite."""
-    if kind not in ("nonfinite-loss", "nonfinite-grads") or any(f.code in NONFINITE_CODES for f in replay.findings):
+    if kind not in ("nonfinite-loss", "nonfinite-grads", "loss-scale-collapse") or any(
+            f.code in NONFINITE_CODES for f in replay.findings):
         return None
     reason = "loss-outside-model" if replay.summary.get("forward_only") and not custom_step else "not-repeated"
     prec = f" in {replay.precision}" if replay.precision else ""
@@ -392,7 +394,9 @@ def with_unreproduced(findings: Sequence[Finding], info: dict[str, Any] | None) 
     step, why, and what to do, instead of only pointing at a replay."""
     if info is None:
         return list(findings)
-    fixes: tuple[FixProposal, ...] = (FixProposal("compute the loss inside a module, so that a replay re-runs it",
+    fixes: tuple[FixProposal, ...] = (FixProposal("record the loop's loss code, so that the replay runs it too",
+                         "with ampdoctor.watch(model, optimizer, scaler, loss_code=True) as w:"),
+             FixProposal("compute the loss inside a module, so that a replay re-runs it",
                          "class WithLoss(nn.Module):\n    def __init__(self, model):\n        super().__init__()\n"
                          "        self.model = model\n    def forward(self, x, y):\n"
                          "        return my_loss(self.model(x), y)"),
@@ -400,10 +404,10 @@ def with_unreproduced(findings: Sequence[Finding], info: dict[str, Any] | None) 
                          "ampdoctor.replay('reproducer.pt', model_factory=make_model, "
                          "loss_fn=lambda output, batch: my_loss(output, batch))"))
     if info["reason"] != "loss-outside-model":
-        fixes = fixes[1:]
+        fixes = fixes[2:]
     out = []
     for f in findings:
-        if f.code == "overflow" and not f.module and not f.op:
+        if f.code in ("overflow", "loss-scale-collapse") and not f.module and not f.op:
             f = dataclasses.replace(f, explanation=f"{f.explanation} {info['note']}",
                                     evidence=f.evidence.replace(replay="not-reproduced",
                                                                 replay_reason=info["reason"]),

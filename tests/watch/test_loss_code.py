@@ -43,3 +43,32 @@ def test_refuses_what_it_cannot_replay(monkeypatch) -> None:
     monkeypatch.setattr(_loss_code, "MAX_CALLS", 3)
     assert _record(lambda o: o.exp().log().sin().cos().mean(), lin(x)).program is None   # too many calls
     assert LossRecorder(3.0).failed                                           # no tensor in the output
+
+
+def test_gradient_accumulation_keeps_each_steps_last_micro_batch() -> None:
+    """Four forwards and backwards per optimizer step: the tap keeps one program per step (the last micro-batch,
+    whose inputs a replay has), so the step before the current one -- the update a replay moves to when a step
+    starts from inf/NaN weights -- still has its loss code after four more micro-batches."""
+    from ampdoctor.watch._hooks import Health
+
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 1)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    step = [0]
+    health = Health()
+    health.active = health.ready = True
+    tap = _loss_code.LossCodeTap(lin, opt, lambda: step[0], health)
+    try:
+        for _ in range(2):
+            for k in range(4):
+                (lin(torch.randn(2, 4)) * (k + 1)).pow(2).mean().backward()
+            opt.step()
+            step[0] += 1
+        tap.settle()
+        first, second = tap.program(0), tap.program(1)
+        assert first is not None and second is not None and first is not second
+        out = lin(torch.ones(2, 4))
+        assert torch.equal(first.loss_fn(out), (out * 4).pow(2).mean())    # the 4th micro-batch's loss code
+    finally:
+        tap.close()
+    assert not _get_current_function_mode_stack()
