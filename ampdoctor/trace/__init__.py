@@ -53,7 +53,7 @@ from ampdoctor.trace._dtypes import (
 )
 from ampdoctor.trace._lineage import Lineage, analyse_lineage, has_nan, is_nonfinite
 from ampdoctor.trace._mode import OpRecord, RecordingMode, _key
-from ampdoctor.trace._modules import ModuleAttribution, iter_tensors, user_frame
+from ampdoctor.trace._modules import ModuleAttribution, frame_boundary, iter_tensors, user_frame
 from ampdoctor.trace._ops import (
     DUNDERS,
     OPS,
@@ -77,6 +77,7 @@ from ampdoctor.trace._stats import CHEAP_FIELDS, FULL_FIELDS, dtype_limits
 from ampdoctor.trace._writes import WRITE_FIELDS, WriteRecord, state_index
 
 __all__ = [
+    "frame_boundary",
     "user_frame",
     "trace",
     "Trace",

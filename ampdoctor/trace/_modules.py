@@ -24,11 +24,28 @@ _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(o
               os.path.dirname(torch.nn.__file__))
 
 
+#: frames above which :func:`user_frame` does not look (:class:`frame_boundary`: a replay's entry, whose callers --
+#: the training loop that detected an anomaly, a CLI -- did not run the replayed step's ops)
+_BOUNDARIES: list[Any] = []
+
+
+class frame_boundary:  # noqa: N801 - used like a function: ``with frame_boundary():``
+    """Inside ``with frame_boundary():`` :func:`user_frame` stops at the frame that entered it: an op whose
+    code has no user frame below (a built-in module) gets no source line rather than its caller's."""
+
+    def __enter__(self) -> None:
+        _BOUNDARIES.append(sys._getframe(1))
+
+    def __exit__(self, *exc: Any) -> None:
+        _BOUNDARIES.pop()
+
+
 def user_frame(depth: int = 3) -> tuple[str, int] | None:
     """``(file, line)`` of the innermost caller outside torch and ampdoctor: the user's statement that ran an op
-    (a module's code or the training-step code outside every module)."""
+    (a module's code or the training-step code outside every module), below the innermost :class:`frame_boundary`."""
     f: Any = sys._getframe(depth)
-    while f is not None:
+    stop = _BOUNDARIES[-1] if _BOUNDARIES else None
+    while f is not None and f is not stop:
         fn = f.f_code.co_filename
         if not fn.startswith(_SKIP_DIRS) and not fn.startswith("<"):
             return fn, f.f_lineno

@@ -30,6 +30,8 @@ log = logging.getLogger("ampdoctor.watch")
 
 #: kinds whose optimizer step ``on_anomaly="skip"`` drops
 SKIPPABLE = ("nonfinite-loss", "nonfinite-grads", "grad-spike")
+#: in-process replays per run at most (the first anomaly's, and later ones while none located an error)
+MAX_REPLAYS = 3
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,8 @@ class AnomalyPolicy:
         #: why the replay found no inf/NaN origin for the anomaly it replayed (``_rules.not_reproduced``)
         self.unreproduced: dict[str, Any] | None = None
         self.replay_step: int | None = None
+        #: replays run so far (a later anomaly is replayed while none located an error, see ``_replay_open``)
+        self.replays = 0
         self.skipped_by_guard = 0
         self.deferred: AnomalyError | None = None
         #: how the in-process replay runs the step (``train_step(model, batch, optimizer=, scaler=)`` of
@@ -97,7 +101,7 @@ class AnomalyPolicy:
         first = d.kind not in self.kinds_seen
         self.kinds_seen.add(d.kind)
         self.counts[d.kind] += 1
-        path = self._extras(a) if first else None
+        path = self._extras(a, write=first) if first or self._replay_open else None
         if self.ranks is not None:
             self._tell_ranks(a)
         self.recent.append({"kind": d.kind, "step": d.record.step, "message": d.message, "reproducer": path})
@@ -164,8 +168,23 @@ class AnomalyPolicy:
         err, self._pending_raise = self._pending_raise, None
         return err
 
-    def _extras(self, a: Anomaly) -> str | None:
-        """Reproducer and replay of the first anomaly of a kind; their failures never stop the decision."""
+    @property
+    def _replay_open(self) -> bool:
+        """A later anomaly may still be replayed: no replay ran yet, or the ones that ran (at most
+        :data:`MAX_REPLAYS`) reproduced the inf/NaN but judged them no error -- e.g. GradScaler calibrating its
+        initial scale, whose gradients overflow only scaled (a warning), before the run's real failure starts at a
+        later step. A replay that did not reproduce the anomaly keeps its place (its report says why)."""
+        if not self.locates or self.replays >= MAX_REPLAYS or self.replay_error is not None:   # fails again
+            return False
+        r = self.replay_report
+        if r is None:
+            return True
+        seen = any(f.code in NONFINITE_CODES for f in r.findings)     # it reproduced the inf/NaN and judged them
+        return seen and not any(f.severity == "error" for f in r.findings)   # benign: the real failure is later
+
+    def _extras(self, a: Anomaly, *, write: bool = True) -> str | None:
+        """Reproducer (``write``: the first anomaly of a kind) and replay (while :attr:`_replay_open`); their
+        failures never stop the decision."""
         o = self.options
         if self.sharded:
             if self.replay_note is None:
@@ -174,8 +193,9 @@ class AnomalyPolicy:
                                     "issue collectives the other ranks never join; the report keeps the "
                                     "module-level hint and the ranks' agreement (origin_rank)")
             return None
-        replay = self.locates and self.replay_report is None
-        if o.reproducer_dir is None and not replay:
+        replay = self._replay_open
+        write = write and o.reproducer_dir is not None
+        if not write and not replay:
             return None
         try:
             if a.clean_state:
@@ -185,7 +205,7 @@ class AnomalyPolicy:
             log.warning("ampdoctor.watch: recording step %d failed (%s: %s); no reproducer or replay for it",
                         a.detection.record.step, type(exc).__name__, exc)
             return None
-        path = self._write(payload, a) if o.reproducer_dir is not None else None
+        path = self._write(payload, a) if write else None
         if replay:
             if a.clean_state:
                 self._replay(payload, path)
@@ -217,6 +237,7 @@ class AnomalyPolicy:
         return None if program is None else program.loss_fn
 
     def _replay(self, payload: dict[str, Any], path: str | None) -> None:
+        self.replays += 1
         try:
             with torch.enable_grad():   # may run inside optimizer.step(), which disables grad
                 report = _reproducer.replay_payload(payload, self._copy_model, origin=path or "",
@@ -226,6 +247,9 @@ class AnomalyPolicy:
             log.warning("ampdoctor.watch: replaying step %d failed (%s); the watch goes on", payload["step"],
                         self.replay_error)
             return
+        if self.replay_report is not None:
+            log.warning("ampdoctor.watch: the replay of step %s located no error; replaying step %d instead",
+                        self.replay_step, payload["step"])
         self.replay_report = report
         self.replay_step = int(payload["step"])
         self.unreproduced = not_reproduced(report, str(payload["anomaly"]), self.replay_step,

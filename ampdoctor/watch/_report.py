@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ampdoctor.findings import Report
@@ -34,7 +35,7 @@ def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) ->
            + _rules.nonfinite_findings(seen, t.params.owners)
            + _rules.coverage_findings(coverage, t.params.owners, ddp=t.ddp_strict)
            + _rules.low_precision_findings(s.lost if t.params.low else None, t.params.owners))
-    findings = _rules.with_unreproduced(_rules.merge_replay(own, policy.replay_report), policy.unreproduced)
+    findings = _rules.with_unreproduced(_rules.merge_replay(own, _at_run_step(policy)), policy.unreproduced)
     ranks = policy.ranks.summary() if policy.ranks is not None else None
     if ranks is not None:
         findings = _rules.with_ranks(findings, ranks)
@@ -76,6 +77,16 @@ def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) ->
         summary["replay_note"] = note
     layers = policy.replay_report.layers if policy.replay_report is not None else ()
     return Report(tuple(findings), precision["name"], summary, layers, t.options.source or "watch")
+
+
+def _at_run_step(policy: AnomalyPolicy) -> Report | None:
+    """The replay's report with its findings' steps counted in the run (the replay's step 0 is the run's step
+    ``replay_step``), so that ``finding.step`` says when in training the failure happened."""
+    r, base = policy.replay_report, policy.replay_step
+    if r is None or not base:
+        return r
+    return dataclasses.replace(r, findings=tuple(dataclasses.replace(f, step=f.step + base)
+                                                 if f.step is not None else f for f in r.findings))
 
 
 def _unreproduced(policy: AnomalyPolicy) -> dict[str, Any]:

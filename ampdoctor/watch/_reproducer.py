@@ -55,6 +55,7 @@ from torch import nn
 
 from ampdoctor.errors import ReproducerError
 from ampdoctor.findings import Finding, Report
+from ampdoctor.trace import frame_boundary
 from ampdoctor.watch._method_step import STEP_METHODS, training_step_replay
 from ampdoctor.watch._rules import not_reproduced, with_unreproduced
 
@@ -380,8 +381,9 @@ def _replay(payload: dict[str, Any], model_factory: Callable[[], nn.Module] | No
 def replay_payload(payload: dict[str, Any], model_factory: Callable[[], nn.Module] | None = None, *,
                    loss_fn: Any = None, train_step: Any = None, origin: str = "", trust_source: bool = False) -> Report:
     """Rebuild the recorded step on a fresh model and run it under :func:`ampdoctor.diagnose`; the caller's RNG
-    states are restored afterwards (the factory and the replayed step draw from them)."""
-    with _preserved_rng():
+    states are restored afterwards (the factory and the replayed step draw from them). Source lines come from the
+    replayed step's own code only, never from the loop or CLI that called the replay (``frame_boundary``)."""
+    with _preserved_rng(), frame_boundary():
         return _replay(payload, model_factory, loss_fn, train_step, origin, trust_source)
 
 

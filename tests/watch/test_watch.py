@@ -353,7 +353,8 @@ def test_skip_leaves_parameters_and_adam_state_untouched() -> None:
     r = w.report()
     assert r.summary["steps_skipped_by_watch"] == 1
     f = r.findings[0]                     # located by the in-process replay of step 3 (the default)
-    assert (f.code, f.phase, f.module, f.step) == ("nonfinite-input", "forward", "", 0)   # the batch itself
+    assert (f.code, f.phase, f.module, f.step) == ("nonfinite-input", "forward", "", 3)   # the batch itself, at the
+    # run's step 3 (the replay's own step 0)
     assert r.summary["anomalies"][0]["kind"] == "nonfinite-grads"
     assert "nearest the origin first: head, body" in r.summary["anomalies"][0]["message"]
 

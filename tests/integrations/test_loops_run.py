@@ -1,0 +1,97 @@
+"""``ampdoctor run`` on a script as people write them: argparse arguments, a DataLoader with worker processes, a
+OneCycle LR schedule, fp16 autocast with GradScaler, ``unscale_`` + gradient clipping -- and a failure that starts
+at step 7, not 0: from batch 7 on the samples are unnormalised (x 3e4), so autocast's cast of the input to fp16
+overflows in the first Linear (``> 65504``) and GradScaler skips every step from 7 on.
+
+Before that, GradScaler calibrates its initial scale (65536): steps 0-2 are skipped because the *scaled* gradients
+overflow. That first anomaly's replay judges it benign (unscaled, the gradients fit: a warning), so the watch
+replays the later collapse too, and the report leads with the real cause at the run's own step (9), with no
+source line borrowed from the code that called the replay. The healthy twin exits 0 with no error and its weights
+are bitwise those of a run without ampdoctor.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+import textwrap
+
+import torch
+
+from ampdoctor.integrations.run import run_script
+
+SCRIPT = """
+    import argparse, torch, torch.nn as nn
+    p = argparse.ArgumentParser()
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--outlier", type=float, default=1.0)
+    p.add_argument("--out", default="")
+    a = p.parse_args()
+
+    class Data(torch.utils.data.Dataset):
+        def __init__(self):
+            g = torch.Generator().manual_seed(1)
+            self.x, self.y = torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g)
+            self.x[28:] *= a.outlier                  # batch 7 on: unnormalised samples
+        def __len__(self):
+            return 64
+        def __getitem__(self, i):
+            return self.x[i], self.y[i]
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    with torch.no_grad():
+        model[2].weight.mul_(30)
+    opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=a.lr, total_steps=a.steps)
+    scaler = torch.amp.GradScaler("cpu")
+    loader = torch.utils.data.DataLoader(Data(), batch_size=4, num_workers=2, shuffle=False)
+    for step, (x, y) in enumerate(loader):
+        if step == a.steps:
+            break
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.smooth_l1_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+    if a.out:
+        torch.save(model.state_dict(), a.out)
+"""
+
+
+def _script(tmp_path):  # type: ignore[no-untyped-def]
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent(SCRIPT))
+    return str(path)
+
+
+def test_failure_from_step_7_is_replayed_after_the_scalers_calibration(tmp_path) -> None:
+    r = run_script(["python", _script(tmp_path), "--outlier", "3e4", "--lr", "1e-3"])
+    assert r.summary["script"] == {"status": "completed"}
+    first = r.findings[0]
+    assert (first.code, first.module, first.op, first.phase, first.step) == (
+        "overflow", "0", "aten._to_copy.default", "forward", 9), [(f.code, f.module, f.op, f.step) for f in r.findings]
+    assert first.evidence.get("source") is None           # nn.Linear has no user line; never the caller's
+    collapse = next(f for f in r.findings if f.code == "loss-scale-collapse")
+    assert (collapse.severity, collapse.step, collapse.module) == ("error", 7, "0")
+    assert [a["step"] for a in r.summary["anomalies"]] == [2, 9]           # calibration, then the real collapse
+
+
+def test_healthy_twin_exits_clean_and_trains_bitwise_as_without_ampdoctor(tmp_path) -> None:
+    script = _script(tmp_path)
+    r = run_script(["python", script, "--out", str(tmp_path / "watched.pt")])
+    assert r.ok and r.summary["script"] == {"status": "completed"}
+    assert all(f.severity != "error" for f in r.findings)
+    old = sys.argv[:]
+    try:
+        sys.argv = [script, "--out", str(tmp_path / "plain.pt")]
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.argv = old
+    plain, watched = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "watched.pt")
+    assert all(torch.equal(plain[k], watched[k]) for k in plain)
