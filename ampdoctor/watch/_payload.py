@@ -52,10 +52,15 @@ def precision_settings(autocast: dict[str, Any], params: Sequence[torch.Tensor])
 
 
 def local_module(model: nn.Module) -> nn.Module:
-    """The module a DDP wrapper holds: a replay runs it alone, so it never issues a collective."""
-    while isinstance(model, nn.parallel.DistributedDataParallel):
-        model = model.module
-    return model
+    """The module a DDP wrapper holds (a replay runs it alone, so it never issues a collective) or that
+    ``torch.compile`` wraps (a replay runs it eagerly, op by op: a compiled graph hides the ops it fuses)."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
 
 
 def hf_config(model: nn.Module) -> dict[str, Any] | None:
@@ -118,7 +123,8 @@ def copy_without_hooks(model: nn.Module, keep: object, handles: Sequence[tuple[s
     """A deep copy of the local module without the watch's forward hooks (``keep`` is not copied)."""
     local = local_module(model)
     clone = copy.deepcopy(local, {id(keep): keep})
-    prefix = "module." if local is not model else ""
+    path = next((n for n, m in model.named_modules() if m is local), "")     # "module.", "_orig_mod.", ...
+    prefix = f"{path}." if path else ""
     mods = dict(clone.named_modules())
     for mod_name, h in handles:
         name = mod_name[len(prefix):] if prefix and mod_name.startswith(prefix) else mod_name
