@@ -55,10 +55,11 @@ def local_module(model: nn.Module) -> nn.Module:
     """The module a DDP wrapper holds (a replay runs it alone, so it never issues a collective) or that
     ``torch.compile`` wraps (a replay runs it eagerly, op by op: a compiled graph hides the ops it fuses)."""
     while True:
+        inner = getattr(model, "_orig_mod", None) if type(model).__name__ == "OptimizedModule" else None
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
-        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
+        elif isinstance(inner, nn.Module):
+            model = inner
         else:
             return model
 
