@@ -6,7 +6,9 @@ is told to (``ampdoctor run``), each training step's torch calls between the roo
 ``backward()`` are recorded at the ``__torch_function__`` level (``torch.sigmoid``, ``Tensor.__rsub__``,
 ``torch.log``, ...: what the script called, before autocast, so a replay in fp32 runs them in fp32), with the
 tensors they read either the model's output, an earlier call's result, or a tensor from outside (targets, class
-weights: kept by reference for that step). :meth:`LossProgram.loss_fn` runs the same calls on a replay's output:
+weights: kept by reference for that step) that requires no grad: a loss that adds another forward's loss or reads a
+parameter is not recorded (a replay would backpropagate into the live graph or the user's parameter).
+:meth:`LossProgram.loss_fn` runs the same calls on a replay's output:
 nothing from the script's source runs, only the torch functions it called, in its order, with its arguments.
 
 The recorder is a :class:`~torch.overrides.TorchFunctionMode` pushed when the root module returns and popped at
@@ -62,6 +64,13 @@ def _leaves(x: Any) -> list[Any]:
     if isinstance(x, dict):
         return [leaf for v in x.values() for leaf in _leaves(v)]
     return [x]
+
+
+def _reads_graph(x: Any) -> bool:
+    """Whether recorded arguments hold a tensor from outside (not a ``Ref``) that requires grad."""
+    found: list[bool] = []
+    _map(lambda t: found.append(True) if isinstance(t, torch.Tensor) and t.requires_grad else None, x)
+    return bool(found)
 
 
 def _refs(x: Any) -> list[Ref]:
@@ -152,6 +161,10 @@ class LossRecorder(TorchFunctionMode):
             return out
         try:
             call = Call(func, _map(self._spec, tuple(args)), _map(self._spec, kwargs), user_frame(2))
+            if _reads_graph((call.args, call.kwargs)):
+                self.stop("the loss reads a tensor with autograd history that is not computed from this forward's "
+                          "output (another forward's loss, a parameter): a replay would backpropagate into it")
+                return out
             self.calls.append(call)
             i = len(self.calls) - 1
             reads = [x for x in _refs((call.args, call.kwargs))]

@@ -40,6 +40,9 @@ def test_refuses_what_it_cannot_replay(monkeypatch) -> None:
     x = torch.randn(5, 4)
     other = torch.randn(3, requires_grad=True)
     assert _record(lambda o: other.sum(), lin(x)).program is None            # backward on an unrelated tensor
+    first = lin(x).pow(2).mean()                       # a GAN's discriminator: two forwards, one backward
+    assert _record(lambda o: o.mean() + first, lin(x)).program is None        # the other forward's live graph
+    assert _record(lambda o: (o * other).mean(), lin(x)).program is None      # a parameter: its .grad is the user's
     monkeypatch.setattr(_loss_code, "MAX_CALLS", 3)
     assert _record(lambda o: o.exp().log().sin().cos().mean(), lin(x)).program is None   # too many calls
     assert LossRecorder(3.0).failed                                           # no tensor in the output
