@@ -134,27 +134,28 @@ def sum_of_squares(g: torch.Tensor) -> torch.Tensor:
     return torch.stack(parts).sum()
 
 
-def _measured_writes(spec: StepSpec, reference: bool, mode: Any) -> Any:
+def _measured_writes(spec: StepSpec, reference: bool) -> Any:
     """Which writes into module state the trace measures (``WriteLog.measure``; None: all).
 
-    The analysis reads an ``optimizer.step`` write only where the target stores the state in 16 bits (a lost
-    update needs a 16-bit write; the reference's twin of it tells whether fp32 loses it too). So inside
-    ``optimizer.step`` the target measures its 16-bit writes and the reference the writes into state the target
-    holds in 16 bits; the others are logged unmeasured, saving per write an old-value copy and a re-run on copies
-    of every input one format wider -- at an AdamW step the parameter, both moments and the denominator in
-    float64 (on a 750M-parameter step, most of the reference run's optimizer time and the bf16-amp peak memory).
-    Writes outside ``optimizer.step`` (model code, loop code, gradient accumulation) and writes into the root
-    module's own state are always measured: the loss-scaling rule reads them. With transforms (a fix being
-    verified) or a user ``train_step`` the target's dtypes are not known before it runs: the reference measures
-    every write."""
+    Two rules read the write log (``findings._updates``): a lost update needs a write into 16-bit state in the
+    target (the reference's twin of it tells whether fp32 loses it too), and ``loss-scaling-misuse`` compares the
+    update of the training-step code's own writes (module ``""``: outside every module, or the root module's own
+    state inside ``optimizer.step``) with the reference's. So the target measures its 16-bit writes and the
+    reference the writes into state the target holds in 16 bits, both the module-less ones; the others are
+    logged unmeasured, saving per write an old-value copy and a re-run on copies of every input one format wider
+    -- at an AdamW step the parameter, both moments and the denominator in float64 (on a 750M-parameter step,
+    most of the reference run's optimizer time and the bf16-amp peak memory), and in the backward the float32
+    accumulation of a shared parameter's gradient (a tied embedding's, 33M elements at 750M). With transforms
+    (a fix being verified) or a user ``train_step`` the target's dtypes are not known before it runs: the
+    reference measures every write."""
     if reference and (spec.transforms or spec.train_step is not None):
         return None
     if reference:
         cast = spec.precision in LOW_DTYPES
         state = list(spec.model.named_parameters()) + list(spec.model.named_buffers())
         low = {n for n, t in state if t.is_floating_point() and (cast or t.dtype in HALF_DTYPES)}
-        return lambda t, meta: not mode.in_optimizer or not meta[2] or meta[1] in low
-    return lambda t, meta: not mode.in_optimizer or not meta[2] or t.dtype in HALF_DTYPES
+        return lambda t, meta, module: not module or meta[1] in low
+    return lambda t, meta, module: not module or t.dtype in HALF_DTYPES
 
 
 class _TraceObserver(Observer):
@@ -166,7 +167,7 @@ class _TraceObserver(Observer):
         self.spec, self.result, self.opt = spec, result, opt
         self.tr = Trace(model, opt, full=True)
         self.tr.mode.headroom = headroom
-        self.tr.mode.writes.measure = _measured_writes(spec, prep.reference, self.tr.mode)
+        self.tr.mode.writes.measure = _measured_writes(spec, prep.reference)
         self.names = self.tr.attribution.param_names
         self.owners = self.tr.attribution.param_owner
         self.model = model
@@ -259,7 +260,7 @@ class _TraceObserver(Observer):
                         ps.grad_zero = next(it)
         self.tr.on_optimizer_pre.clear()
         self.tr.on_optimizer_post.clear()
-        self.tr.mode.writes.measure = None  # closes over the mode: the same cycle
+        self.tr.mode.writes.measure = None  # this run's predicate: not kept past it
 
 
 def _describe(prep: Prepared, result: RunResult, names: dict[int, str], owners: dict[int, str]) -> None:

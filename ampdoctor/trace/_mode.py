@@ -311,7 +311,7 @@ class RecordingMode(TorchDispatchMode):
         floats = [t for t in ins if t.is_floating_point()]
         module = self._module(node, phase, ins)
         in_idx = tuple([self._input_index(t, phase, module) for t in floats if not t.is_meta])
-        pending = self.writes.before(func, args, kwargs, node) if d.writes else None
+        pending = self.writes.before(func, args, kwargs, node, module) if d.writes else None
         try:
             out = func(*args, **kwargs)
         except Exception as e:

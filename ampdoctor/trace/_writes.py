@@ -421,15 +421,15 @@ class WriteLog:
         self.records: list[WriteRecord] = []
         self._seq: dict[tuple[int, str, str], int] = {}
         self._cache: dict[Any, Any] = {}
-        #: which writes are measured: ``(tensor, (target, name, owner)) -> bool``, asked before the op runs; None:
-        #: all. An unmeasured write is still logged (op, tensor, order: the ``seq`` of later writes stays aligned)
-        #: with NaN statistics, and costs no copy: a caller that knows which writes its analysis reads skips the
-        #: others' old-value copy and wider re-run (the diagnosis: see ``ampdoctor.precision._runner``)
+        #: which writes are measured: ``(tensor, (target, name, owner), module running the op or None) -> bool``,
+        #: asked before the op runs; None: all. An unmeasured write is still logged (op, tensor, order: later
+        #: ``seq`` stays aligned) with NaN statistics and no copy: a caller that knows which writes its analysis
+        #: reads skips the others' old-value copy and wider re-run (the diagnosis: ``ampdoctor.precision._runner``)
         self.measure: Any = None
         #: the measured writes' old-value buffers, reused from write to write within a step
         self.buffers = OldValues()
 
-    def before(self, func: Any, args: Any, kwargs: Any, node: Any
+    def before(self, func: Any, args: Any, kwargs: Any, node: Any, module: str | None = None
                ) -> tuple[PendingWrite, list[tuple[str, str, str]]] | None:
         """The module state (parameters, buffers, the gradient ``AccumulateGrad`` adds into) the op writes, with
         old values and exact update taken before it runs; None when it writes none."""
@@ -453,7 +453,7 @@ class WriteLog:
                 meta.append(info)
         if not picked:
             return None
-        measure = self.measure is None or any(self.measure(t, m) for t, m in zip(picked, meta))
+        measure = self.measure is None or any(self.measure(t, m, module) for t, m in zip(picked, meta))
         defer = measure and deferrable(func, args, kwargs, ts, picked)
         return PendingWrite(func, args, kwargs, picked, defer, measure, self.buffers), meta
 

@@ -149,6 +149,58 @@ def test_optimizer_writes_are_measured_where_the_analysis_reads_them(precision: 
         assert {k: w.stats for k, w in _optimizer_writes(full).items()} == {k: w.stats for k, w in ref_w.items()}
 
 
+class _StateWriter(nn.Module):
+    """Writes into module state outside ``optimizer.step``: BatchNorm's running statistics (float32) and an fp16
+    buffer in the forward; a root-owned parameter (its update inside ``optimizer.step`` has module ``""``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 4)
+        self.gain = nn.Parameter(torch.ones(4))
+        self.register_buffer("ema", torch.zeros(8, dtype=torch.float16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.shared(F.gelu(self.shared(x)))
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(h.mean(0).half(), alpha=0.1)
+        return self.head(self.bn(h)) * self.gain
+
+
+def test_writes_outside_the_optimizer_are_measured_where_the_analysis_reads_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside optimizer.step too, each run measures only what ``findings._updates`` reads: the target its 16-bit
+    writes, the reference their twins, both the module-less ones (``loss-scaling-misuse``); fp32 running
+    statistics are logged unmeasured, with the keys of a trace that measures every write, and the measured ones
+    keep its numbers."""
+    torch.manual_seed(0)
+    model = _StateWriter()
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    spec = make_spec(model, (x,), precision="fp16-amp", optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                     scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 4), steps=1,
+                     loss_fn=lambda out, batch: F.cross_entropy(out, y))
+    runs = {}
+    for ref in (True, False):
+        with saved_rng():
+            runs[ref] = run(spec, reference=ref)
+    monkeypatch.setattr("ampdoctor.precision._runner._measured_writes", lambda *a: None)
+    for ref in (True, False):
+        with saved_rng():
+            full = {w.key: w for w in run(spec, reference=ref).trace.writes}
+        writes = {w.key: w for w in runs[ref].trace.writes}
+        assert writes.keys() == full.keys()
+        for key, w in writes.items():
+            measured = w.stats["changed"] == w.stats["changed"]
+            read = w.name == "ema" or (w.name == "gain" and w.phase == "optimizer")
+            assert measured == read, (ref, key, w.module, w.stats)
+            if read:
+                assert w.stats == full[key].stats or all(
+                    a == b or a != a and b != b for a, b in zip(w.stats.values(), full[key].stats.values()))
+        assert {(w.target, w.name) for w in writes.values()} >= {("buffer", "ema"), ("buffer", "bn.running_mean"),
+                                                                 ("parameter", "gain")}
+
+
 @pytest.mark.parametrize("case", ["normal", "embedding", "tiny", "subnormal", "huge", "mixed", "half", "bfloat"])
 def test_gradient_norm_sum_of_squares_matches_float64(case: str) -> None:
     """The runner's per-step gradient norm (host path: float32 chunk norms summed in float64) agrees with a float64
