@@ -36,6 +36,9 @@ def run(on_anomaly: str, reproducer_dir: str | None, json_out: str | None, argv:
         except ValueError as e:  # the script cannot be started (missing file or module)
             fail(str(e))
     emit(report, json_out, None)
+    for key in ("scaler_note", "replay_note"):     # what the watch could not see: after the report, not lost in it
+        if report.summary.get(key):
+            click.echo(f"ampdoctor: {report.summary[key]}", err=True)
     ended = report.summary.get("script", {})
     status = ended.get("status")
     if status == "exit":

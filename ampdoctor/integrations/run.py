@@ -62,6 +62,8 @@ class _Runner:
         self._tries = 0
         self._scanned: set[int] = set()
         self._extra_handles: list[Any] = []
+        #: why the watches have no GradScaler (several exist), for the report
+        self.scaler_note: str | None = None
 
     def __enter__(self) -> _Runner:
         self._opt_handle = register_optimizer_step_pre_hook(self._on_step)
@@ -96,7 +98,8 @@ class _Runner:
                 w = self._attach(self._owner(o, module), o)
                 if w.model is module:
                     self._first_call(w, rng)
-        if opts or self._tries >= _MAX_FORWARD_TRIES:
+        # a GAN's second model is called later (and its optimizer may never step: GradScaler skips every step)
+        if (opts and all(id(o) in self.watched for o in self._optimizers())) or self._tries >= _MAX_FORWARD_TRIES:
             self._fwd_handle.remove()
             self._fwd_handle = None
 
@@ -150,8 +153,13 @@ class _Runner:
             main = vars(sys.modules.get("__main__", sys))
             own = [s for s in scalers if any(v is s for v in main.values())]
             scalers = own if own else scalers
-        if len(scalers) > 1:
-            log.info("ampdoctor run: %d GradScalers exist; watching without scaler", len(scalers))
+        if len(scalers) > 1 and self.scaler_note is None:
+            self.scaler_note = (f"{len(scalers)} enabled GradScalers exist (one per optimizer, as in a GAN) and "
+                                "nothing tells which one steps which optimizer, so the optimizers are watched "
+                                "without scaler: steps a GradScaler skips (inf/NaN gradients, a loss-scale collapse) "
+                                "are not seen. Watch each model in the script instead: with ampdoctor.watch(model, "
+                                "optimizer, its_scaler) as w:")
+            log.warning("ampdoctor run: %s", self.scaler_note)
         return scalers[0] if len(scalers) == 1 else None
 
     def _attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Watch:
@@ -180,6 +188,8 @@ class _Runner:
     def report(self, ended: dict[str, Any]) -> Report:
         reports = [w.report() for w in self.watches]
         summary: dict[str, Any] = {"source": "run", "script": ended, "watches": len(reports)}
+        if self.scaler_note is not None:
+            summary["scaler_note"] = self.scaler_note
         if not reports:
             summary["note"] = "no optimizer step and no module holding an optimizer's parameters was seen"
             return Report((), None, summary, (), self.source)

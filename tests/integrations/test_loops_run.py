@@ -95,3 +95,37 @@ def test_healthy_twin_exits_clean_and_trains_bitwise_as_without_ampdoctor(tmp_pa
         sys.argv = old
     plain, watched = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "watched.pt")
     assert all(torch.equal(plain[k], watched[k]) for k in plain)
+
+
+GAN = """
+    import torch, torch.nn as nn
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+    D = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    oG, oD = torch.optim.Adam(G.parameters(), 1e-3), torch.optim.Adam(D.parameters(), 1e-3)
+    sG, sD = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    bce = nn.BCEWithLogitsLoss()
+    for step in range(3):
+        real, z = torch.randn(8, 8), torch.randn(8, 4)
+        oD.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            fake = G(z)
+            loss_d = bce(D(real).float(), torch.ones(8, 1)) + bce(D(fake.detach()).float(), torch.zeros(8, 1))
+        sD.scale(loss_d).backward(); sD.step(oD); sD.update()
+        oG.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss_g = bce(D(fake).float(), torch.ones(8, 1))
+        sG.scale(loss_g).backward(); sG.step(oG); sG.update()
+"""
+
+
+def test_two_models_two_scalers_are_both_watched_and_the_blind_spot_is_said(tmp_path) -> None:
+    """A GAN script: the discriminator is called after the generator, so the runner keeps looking at forwards until
+    every optimizer is watched (it stopped at the first). With two GradScalers nothing tells which one steps which
+    optimizer: the report says that skipped steps are not seen and what to do, instead of a silent verdict."""
+    path = tmp_path / "gan.py"
+    path.write_text(textwrap.dedent(GAN))
+    r = run_script(["python", str(path)])
+    assert r.summary["watches"] == 2 and r.summary["script"] == {"status": "completed"}
+    assert [s["steps"] for s in r.summary["per_watch"]] == [3, 3]
+    assert "2 enabled GradScalers" in r.summary["scaler_note"] and "ampdoctor.watch(model" in r.summary["scaler_note"]
