@@ -76,7 +76,7 @@ _MOE_Y = torch.randint(0, 10, (4,), generator=_gen(30))
       "distribution to the activation dtype before topk: BF16 collapses close probabilities into ties and selects a "
       "different expert set than the FP32 router); vllm-project/vllm#58076 (bf16 router logits flip experts at "
       "near-tied tokens); databricks/megablocks#91 (Switch's selective router precision)",
-      ("precision-loss", "moe.gate", "aten.mm.default", "forward"))
+      ("precision-loss", "moe", "aten._softmax.default", "forward"))
 def moe_router_bf16(bad: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     m = MoELayer(probs_fp32=not bad)
@@ -315,3 +315,55 @@ def vae_kl(bad: bool) -> dict[str, Any]:
         m.logvar.bias.fill_(12.0 if bad else 0.0)
     return {"model": m, "batch": torch.randn(8, 16, generator=_gen(37)), "precision": "fp16",
             "loss_fn": lambda out, batch: out.float().mean()}
+
+
+class TokenPruningBlock(nn.Module):
+    """EViT-style token pruning: the class token's attention over the patch tokens (a softmax), the ``keep`` most
+    attended tokens kept with ``topk`` and gathered. ``fp32_scores``: the attention scores in float32."""
+
+    def __init__(self, d: int = 32, keep: int = 24, fp32_scores: bool = False) -> None:
+        super().__init__()
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.keep, self.fp32_scores = keep, fp32_scores
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cls, patches = x[:, :1], x[:, 1:]
+        scores = (self.q(cls) @ self.k(patches).transpose(1, 2)).squeeze(1) * x.shape[-1] ** -0.5
+        attn = scores.float().softmax(-1) if self.fp32_scores else scores.softmax(-1)
+        w, idx = attn.topk(self.keep, -1)
+        kept = patches.gather(1, idx[..., None].expand(-1, -1, x.shape[-1])) * (1 + w[..., None].to(x.dtype))
+        return torch.cat([cls, kept + self.mlp(kept)], 1)
+
+
+class PrunedViT(nn.Module):
+    def __init__(self, fp32_scores: bool) -> None:
+        super().__init__()
+        self.patch = nn.Linear(48, 32)
+        self.cls = nn.Parameter(torch.randn(1, 1, 32) * 0.02)
+        self.prune = TokenPruningBlock(fp32_scores=fp32_scores)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([self.cls.expand(x.shape[0], -1, -1), self.patch(x)], 1)
+        return self.head(self.prune(h).mean(1))
+
+
+@case("evit-token-pruning-bf16", "second family for the tie-making softmax: EViT / DynamicViT token pruning keeps "
+      "the top-k patch tokens by the class token's attention; in bf16 the near-uniform attention probabilities "
+      "(~1/64 each) round into ties and a different token set is kept (youweiliang/evit: attentive-token "
+      "identification from cls attention; the same rounding as ViperEkura/AstrAI#57's router)",
+      ("precision-loss", "prune", "aten._softmax.default", "forward"))
+def evit_pruning(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    m = PrunedViT(fp32_scores=not bad)
+    return {"model": m, "batch": torch.randn(4, 64, 48, generator=_gen(38)), "precision": "bf16",
+            "loss_fn": vit_ce4}
+
+
+_VIT_Y4 = torch.randint(0, 10, (4,), generator=_gen(39))
+
+
+def vit_ce4(out: torch.Tensor, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(out.float(), _VIT_Y4)

@@ -38,6 +38,8 @@ AMPLIFIED_FLOOR = 0.05
 AMPLIFIERS = ops_with(Kind.PERIODIC) | ops_with(Kind.EXPONENTIAL)
 PICKS_K, ORDERS = ops_with(Kind.PICKS_K), ops_with(Kind.ORDERS)
 GATHERS = ops_with(Kind.GATHERS)
+#: ops whose relative condition number is their input's magnitude (softmax, exp)
+CONDITION_BY_INPUT = (ops_with(Kind.SOFTMAX) & ops_with(Kind.BOUNDED)) | ops_with(Kind.EXPONENTIAL)
 
 
 def sample_error(t: OpRecord, ref: OpRecord) -> dict[str, float] | None:
@@ -168,7 +170,19 @@ def decision_source(ctx: Context, d: Any) -> OpRecord | None:
         return start
     local = [x for x in ops if _inside(x.module, d.module)] or ops
     sites = [x for x in local if is_low(x.dtype)] or local
+    if _rounds_coarser_than_its_input(ctx, sites[0]):
+        return sites[0]
     return _largest_own(ctx, sites, sites[0])
+
+
+def _rounds_coarser_than_its_input(ctx: Context, x: OpRecord) -> bool:
+    """A low-precision softmax or exp of inputs below 1 in magnitude: its relative condition number is ``|input|``
+    (``d p / p = d l``), so the input's rounding (``|l| * u``) moves the result by less than rounding the result
+    itself (``u``) -- probabilities of a near-uniform router rounded to bf16 tie where their logits did not."""
+    if op_base(x.op) not in CONDITION_BY_INPUT or not is_low(x.dtype) or not x.inputs:
+        return False
+    i = x.inputs[0]
+    return 0 <= i < len(ctx.records) and ctx.records[i].stats.get("absmax", math.inf) < 1.0
 
 
 def _inside(module: str, parent: str) -> bool:

@@ -94,7 +94,10 @@ def precision_loss(ctx: Context) -> list[Candidate]:
     ``decisions_changed``, ``rows``, ``changed_fraction``, ``changed_rows``, ``examples``, ``decision_op``,
     ``decision_module`` and ``ties_target``/``ties_reference``/``ties_created`` (rows whose winner ties with the
     next candidate; for a sort, rows where two neighbours in the order are equal); inside the decision's own
-    module the op that rounds the scores is blamed before an upstream input's rounding. It is an ``error`` when at
+    module the op that rounds the scores is blamed before an upstream input's rounding, and a low-precision softmax or
+    exp of inputs below 1 in magnitude (relative condition number ``|input| < 1``: rounding its result is coarser
+    than its input's rounding carried through -- a near-uniform router's bf16 probabilities) right before the
+    decision is blamed itself. It is an ``error`` when at
     least 5% of the rows (and 2) choose differently and later ops pick values with the chosen indices
     (``indexed_by``: ``x[idx]``, a gather, an embedding lookup -- an MoE router's experts, a VQ codebook's codes):
     those rows take a different computation, not a rounded one. An amplifier (``sin``, ``cos``,

@@ -51,3 +51,37 @@ def test_a_changed_choice_that_is_only_reported_stays_a_warning() -> None:
     f = _run(route=False)
     assert f.severity == "warning" and f.evidence["indexed_by"] == 0
     assert f.evidence["changed_fraction"] >= 0.05  # as many flips as above: only their use differs
+
+
+class SoftmaxRouter(nn.Module):
+    """Scores -> softmax in the activations' dtype -> top-2 -> gather. With logits below 1 in magnitude the
+    softmax's relative condition number |l| is < 1: rounding the probabilities is coarser than the logits' rounding
+    carried through, so the pick is blamed on the softmax (the element-error ranking alone named the addmm)."""
+
+    def __init__(self, offset: float, spread: float) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 8)
+        self.v = nn.Linear(16, 16)
+        with torch.no_grad():
+            self.a.weight.mul_(spread)
+            self.a.bias.fill_(offset)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.a(x).softmax(-1)
+        w, idx = probs.topk(2, -1)
+        picked = self.v(x).gather(1, idx)
+        return (w * picked).sum(-1)
+
+
+def _router(offset: float, spread: float) -> ampdoctor.Finding:
+    torch.manual_seed(0)
+    x = torch.randn(128, 16, generator=torch.Generator().manual_seed(2))
+    r = ampdoctor.diagnose(SoftmaxRouter(offset, spread), x, precision="bf16",
+                           loss_fn=lambda out, b: out.float().pow(2).mean())
+    return next(f for f in r.findings if "decisions_changed" in f.evidence)
+
+
+def test_near_uniform_probabilities_blame_the_softmax() -> None:
+    f = _router(0.0, 0.02)  # logits |l| < 1: probabilities ~1/8 tie in bf16
+    assert (f.module, f.op) == ("", "aten._softmax.default") and f.evidence["ties_created"] > 0
+

@@ -380,3 +380,20 @@ def test_vae_kl_numbers() -> None:
     ev = report.findings[0].evidence
     lv = _fp32_forward(spec, spec["model"].logvar, lambda a, o: o)
     assert ev["ref_absmax"] == pytest.approx(math.exp(lv.max().item()), rel=1e-3) and lv.max() > math.log(65504)
+
+
+def test_evit_token_pruning_numbers() -> None:
+    spec, report = _diagnose("evit-token-pruning-bf16", True)
+    ev = report.findings[0].evidence
+    m, x = spec["model"], spec["batch"]
+
+    def kept(model: torch.nn.Module, inp: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([model.cls.expand(inp.shape[0], -1, -1), model.patch(inp)], 1)
+        p = model.prune
+        s = (p.q(h[:, :1]) @ p.k(h[:, 1:]).transpose(1, 2)).squeeze(1) * h.shape[-1] ** -0.5
+        return s.softmax(-1).topk(p.keep, -1).indices.sort(-1).values
+
+    with torch.no_grad():
+        ref, low = kept(m, x), kept(copy.deepcopy(m).bfloat16(), x.bfloat16())
+    assert ev["decisions_changed"] == int((ref != low).any(-1).sum()) == 4  # every image keeps another token set
+    assert ev["ties_created"] > 0 and ev["indexed_by"] > 0 and ev["decision_op"] == "aten.topk.default"
