@@ -5,10 +5,12 @@
 >>> L.Trainer(max_steps=100, callbacks=[cb]).fit(module, loader)              # doctest: +SKIP
 >>> cb.report.codes()                                                         # doctest: +SKIP
 
-Watches the LightningModule with the first optimizer (``trainer.optimizers[0]``) and the precision plugin's
-GradScaler (``"16-mixed"``). Lightning runs forward and backward inside ``optimizer.step(closure)``; the watch
-checks the gradients right after that closure, before the update. The batch and the loss of each step are
-passed from ``on_train_batch_start``/``on_train_batch_end``. Works with ``lightning`` and ``pytorch_lightning``.
+Watches the LightningModule with its optimizer and the precision plugin's GradScaler (``"16-mixed"``); with several
+optimizers (manual optimization, a GAN) one watch each, over the submodule that optimizer updates (their findings
+merged in ``.report``; the replay then runs that submodule's last call, not ``training_step``). Lightning runs forward
+and backward inside ``optimizer.step(closure)``; the watch checks the gradients right after that closure, before the
+update. The batch and the loss of each step are passed from ``on_train_batch_start``/``on_train_batch_end``. Works
+with ``lightning`` and ``pytorch_lightning``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ else:
                 "ampdoctor.integrations.lightning needs Lightning: pip install ampdoctor[lightning]") from e
 
 from ampdoctor.findings import Report
-from ampdoctor.integrations._callback import callback_watch_options
+from ampdoctor.integrations._callback import callback_watch_options, merged_report, owner_module
 from ampdoctor.watch import Watch, training_step_replay, watch
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,8 @@ class AmpDoctorCallback(Callback):
     def __init__(self, **watch_options: Any) -> None:
         self.watch_options, self.stop_on_anomaly = callback_watch_options(watch_options)
         self.watch: Watch | None = None
+        #: one watch per optimizer (several: a GAN's generator and discriminator, each over its own submodule)
+        self.watches: list[Watch] = []
         self.report: Report | None = None
         self.error: str | None = None
         self._batch_idx = 0
@@ -57,21 +61,27 @@ class AmpDoctorCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._close()
         optimizers = list(getattr(trainer, "optimizers", []) or [])
-        if len(optimizers) > 1:
-            log.info("ampdoctor: %d optimizers; watching the first", len(optimizers))
         plugin = getattr(trainer, "precision_plugin", None)
         scaler = getattr(plugin, "scaler", None)
-        self.watch = watch(pl_module, optimizers[0] if optimizers else None,
-                           scaler if isinstance(scaler, torch.amp.GradScaler) else None, **self.watch_options)
-        self.watch.__enter__()
-        self.watch.replay_with(self._replay_step, method="training_step")   # also in its reproducers
+        scaler = scaler if isinstance(scaler, torch.amp.GradScaler) else None
+        if len(optimizers) > 1:     # training_step steps them all: each is watched over the submodule it updates
+            log.info("ampdoctor: %d optimizers; one watch each, over the submodule it updates", len(optimizers))
+            self.watches = [watch(owner_module(pl_module, o), o, scaler, **self.watch_options) for o in optimizers]
+        else:
+            self.watches = [watch(pl_module, optimizers[0] if optimizers else None, scaler, **self.watch_options)]
+        for w in self.watches:
+            w.__enter__()
+        self.watch = self.watches[0]
+        if len(self.watches) == 1:
+            self.watch.replay_with(self._replay_step, method="training_step")   # also in its reproducers
         asked = _requested_precision(trainer)
         if asked is not None:           # steps that do not run the Trainer's precision: precision_note
-            self.watch.expect_precision(*asked)
+            for w in self.watches:
+                w.expect_precision(*asked)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if self.watch is not None:
-            self.watch.observe_batch(batch)    # may replay the previous (GradScaler-skipped) step: old index
+        if len(self.watches) == 1:
+            self.watches[0].observe_batch(batch)    # may replay the previous (GradScaler-skipped) step: old index
         self._batch_idx = batch_idx
 
     def _replay_step(self, model: Any, batch: Any, optimizer: Any = None, scaler: Any = None) -> Any:
@@ -81,18 +91,22 @@ class AmpDoctorCallback(Callback):
         return training_step_replay(model, batch, optimizer, scaler, self._batch_idx)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.watch is None:
+        if not self.watches:
             return
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-        self.watch.step(loss if isinstance(loss, torch.Tensor) else None)
-        counters = self.watch.counters()
-        for key, value in counters.items():     # into the Trainer's own loggers (self.log)
-            if key != "steps":
-                pl_module.log(f"ampdoctor/{key}", float(value), on_step=True, on_epoch=False, prog_bar=False)
-        if self.stop_on_anomaly and self.error is None and counters.get("anomalies"):
-            anomalies = self.watch.report().summary.get("anomalies", [])
-            if anomalies:
-                first = anomalies[0]
+        loss = loss if isinstance(loss, torch.Tensor) and len(self.watches) == 1 else None
+        anomalies = 0.0
+        for i, w in enumerate(self.watches):
+            w.step(loss)
+            counters = w.counters()
+            anomalies += counters.get("anomalies", 0)
+            prefix = "ampdoctor" if len(self.watches) == 1 else f"ampdoctor/optimizer{i}"
+            for key, value in counters.items():     # into the Trainer's own loggers (self.log)
+                if key != "steps":
+                    pl_module.log(f"{prefix}/{key}", float(value), on_step=True, on_epoch=False, prog_bar=False)
+        if self.stop_on_anomaly and self.error is None and anomalies:
+            first = next((a for w in self.watches for a in w.report().summary.get("anomalies", [])), None)
+            if first is not None:
                 self.error = f"ampdoctor: {first['kind']} at step {first['step']}: {first['message']}"
                 log.error("%s; stopping training (on_anomaly='raise')", self.error)
                 trainer.should_stop = True
@@ -104,13 +118,14 @@ class AmpDoctorCallback(Callback):
         self._close()
 
     def _close(self) -> None:
-        w, self.watch = self.watch, None
-        if w is None:
+        watches, self.watches, self.watch = self.watches, [], None
+        if not watches:
             return
         try:
-            w.__exit__(None, None, None)
+            for w in watches:
+                w.__exit__(None, None, None)
         finally:
-            self.report = w.report()
+            self.report = merged_report([w.report() for w in watches], "lightning")
             if "precision_note" in self.report.summary:
                 log.warning("ampdoctor: %s", self.report.summary["precision_note"])
             level = logging.INFO if self.report.ok else logging.WARNING
