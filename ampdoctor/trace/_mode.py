@@ -29,6 +29,7 @@ from ampdoctor.trace._stats import (
     cheap_stats,
     full_stats,
     lite_stats,
+    zeros_lite_row,
 )
 from ampdoctor.trace._writes import WriteLog
 
@@ -365,7 +366,7 @@ class RecordingMode(TorchDispatchMode):
         else:
             rec.src, rec.scalars, rec.literals, rec.input_dtypes, rec.index_src = shared
             if phase == "optimizer" and not any(flushes_to_zero(v, t.dtype) for _, v in rec.literals):
-                self.rows.append(self._lite_row(t))  # (a literal 0 in the dtype: full counts, for literal rules)
+                self.rows.append(self._lite_row(t, d.zeros))  # (a literal 0 in the dtype: full counts, literal rules)
             else:
                 if phase != "optimizer":
                     self.sketch.sample(t, rec.row, self.step, phase)
@@ -377,13 +378,15 @@ class RecordingMode(TorchDispatchMode):
             if d.mutable:
                 self.storage_writer[key[STORAGE]] = idx
 
-    def _lite_row(self, t: torch.Tensor) -> Any:
+    def _lite_row(self, t: torch.Tensor, zeros: bool = False) -> Any:
         """:func:`lite_stats` (parameter leaves, optimizer outputs); in headroom mode padded with zero flush counts.
 
         Headroom reads only forward and backward op records, so a headroom trace keeps the statistics a plain one
         has (alias rows shared, parameters and optimizer outputs lite; only an op aliasing a lite row gets its own
         full row, which headroom reads): one run serves both ``check``'s headroom and its diagnosis."""
-        row = _safe(lite_stats, t, self.scratch)
+        row = zeros_lite_row(t) if zeros else None  # the output of an all-zero op: known unread
+        if row is None:
+            row = _safe(lite_stats, t, self.scratch)
         if not self.headroom:
             return row
         pad = [0.0] * len(HEADROOM_FORMATS)

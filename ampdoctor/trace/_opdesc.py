@@ -17,6 +17,8 @@ from ampdoctor.trace._writes import HIDDEN_WRITES
 ALIASES = ops_with(Kind.SAME_ELEMENTS)
 #: ops whose output memory is uninitialised: never read (their statistics would describe garbage)
 UNINITIALISED = ops_with(Kind.UNINITIALISED)
+#: ops whose output is all zeros: a lite statistics row is known without reading it
+ZEROS = ops_with(Kind.ZEROS)
 
 
 @functools.cache
@@ -70,6 +72,7 @@ class OpDesc:
     alias: bool  # its single output holds exactly its first input's elements
     bounded: str | None  # the bound its outputs can reach (:data:`BOUNDED_OPS`)
     collective: bool  # a ``c10d`` collective
+    zeros: bool  # its output is all zeros
 
 
 #: id of an op overload -> (the overload, its descriptor). Keyed by identity, not by the overload: an OpOverload's
@@ -99,4 +102,4 @@ def _describe(func: Any) -> OpDesc:
                              if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write),
         arg_names=tuple(a.name for a in schema.arguments), literals=bool(op_info(base).literals),
         writes=schema.is_mutable or base in HIDDEN_WRITES, uninit=base in UNINITIALISED, alias=base in ALIASES,
-        bounded=BOUNDED_OPS.get(base), collective=str(func).startswith("c10d."))
+        bounded=BOUNDED_OPS.get(base), collective=str(func).startswith("c10d."), zeros=base in ZEROS)

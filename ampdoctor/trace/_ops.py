@@ -46,6 +46,7 @@ class Kind(enum.Enum):
     NORM_SCALE = "norm_scale"        # turns a norm statistic into the scale (rsqrt, sqrt, reciprocal)
     PERIODIC = "periodic"            # sin / cos: an angle's absolute error becomes the result's error
     UNINITIALISED = "uninitialised"  # allocates memory without writing it (its statistics describe garbage)
+    ZEROS = "zeros"                  # its output is all zeros (zeros_like, zero_): its statistics are known unread
     POLE = "pole"                    # infinite where an input is 0: log(0) = -inf, 1/0, rsqrt(0), x / 0
     LOG = "log"                      # a logarithm (log, log2, log10): of a softmax it is a log-softmax
     GEMM = "gemm"                    # a GEMM kernel below autograd (mm, addmm, convolution): accumulates K products
@@ -244,6 +245,8 @@ for _n in ("_to_copy", "to", "_to_copy_", "copy_"):
     declare(_n, K.CAST)
 for _n in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"):
     declare(_n, K.UNINITIALISED)
+for _n in ("zeros", "zeros_like", "new_zeros", "zero", "zero_"):
+    declare(_n, K.ZEROS)
 
 # ------------------------------------------------------------------------------------ bounded functions, rows
 declare("tanh", K.BOUNDED, bound=Bound("abs1", "tanh_backward", "±1"), family=F.TANH, upcast=IN)

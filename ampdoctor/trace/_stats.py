@@ -327,6 +327,16 @@ def lite_stats(t: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor 
     return _row(scratch, parts, None, dev)
 
 
+def zeros_lite_row(t: torch.Tensor) -> list[float] | None:
+    """What :func:`lite_stats` returns for ``t`` if every element is zero, without reading it (``None``: ``t`` is not a
+    plain non-empty CPU tensor, compute it). For the outputs of ops the registry declares all-zero
+    (:attr:`Kind.ZEROS <ampdoctor.trace._ops.Kind>`: a fresh optimizer's ``zeros_like`` state, a ``zero_`` of the
+    gradients), one parameter-sized pass each in an optimizer step."""
+    if type(t) is not torch.Tensor or t.device.type not in HOST_DEVICES or t.numel() == 0:
+        return None
+    return [0.0, math.inf, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, float(t.numel()), 0.0, 0.0]
+
+
 #: Flush thresholds per format (half the smallest subnormal: anything below rounds to zero), in this order:
 #: :data:`ampdoctor.trace._dtypes.HEADROOM_FORMATS`.
 
@@ -357,4 +367,4 @@ def cheap_stats(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 __all__ = ["BOUNDED_OPS", "CHEAP_FIELDS", "FULL_FIELDS", "HEADROOM_FORMATS", "Scratch", "cheap_stats", "dtype_limits",
-           "flush_counts", "full_stats", "lite_stats"]
+           "flush_counts", "full_stats", "lite_stats", "zeros_lite_row"]

@@ -77,3 +77,40 @@ def test_non_finite_falls_back_to_the_device_path() -> None:
     assert not isinstance(row, list)
     field = {f: i for i, f in enumerate(FULL_FIELDS)}
     assert [row[field[k]].item() for k in ("n_nan", "n_posinf", "n_neginf")] == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_all_zero_ops_known_row_is_bitwise_lite_stats(dtype: torch.dtype) -> None:
+    """The lite row of an all-zero op's output, known without reading it, is what ``lite_stats`` computes."""
+    for t in (torch.zeros(5, 7, dtype=dtype), torch.zeros(3, dtype=dtype).expand(4, 3), -torch.zeros(6, dtype=dtype)):
+        assert _stats.zeros_lite_row(t) == _stats.lite_stats(t, Scratch())
+    assert _stats.zeros_lite_row(torch.zeros(0, dtype=dtype)) is None  # empty: computed as before
+
+
+def test_fresh_optimizer_state_rows_are_the_zero_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh AdamW's ``zeros_like`` state and a ``zero_`` of the gradients take the known row (one per such
+    record, no tensor read), and it holds the numbers ``lite_stats`` would compute."""
+    import ampdoctor
+    from ampdoctor.trace import _mode
+
+    known = []
+
+    def counting(t: torch.Tensor) -> list[float] | None:
+        row = _stats.zeros_lite_row(t)
+        known.append(row is not None)
+        return row
+
+    monkeypatch.setattr(_mode, "zeros_lite_row", counting)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    with ampdoctor.trace(model, opt, full=True) as t:
+        model(torch.randn(3, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    recs = [r for r in t.result().records if r.op in ("aten.zeros_like.default", "aten.zero_.default")]
+    assert {r.op for r in recs} == {"aten.zeros_like.default", "aten.zero_.default"}
+    assert known == [True] * len(recs)  # every one of them took the known row, nothing else did
+    for r in recs:
+        want = _stats.lite_stats(torch.zeros(r.shape, dtype=r.dtype), Scratch())
+        assert list(r.stats.values()) == want, r
