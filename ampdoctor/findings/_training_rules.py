@@ -9,6 +9,7 @@ import torch
 
 from ampdoctor.findings._common import HALF, base_evidence, bf16_fix, dtype_name, fmt, limits, op_base, where
 from ampdoctor.findings._context import Context
+from ampdoctor.findings._core_rules import scale_explains
 from ampdoctor.findings._fp8_casts import clip_candidates
 from ampdoctor.findings._registry import RUN_END, RUN_FP8_SCALES, SETUP_CRASH, Candidate, Order, rule
 from ampdoctor.findings._types import Finding, FixProposal
@@ -115,26 +116,38 @@ def loss_scale_collapse(ctx: Context) -> list[Candidate]:
     """GradScaler halves the scale and skips ``optimizer.step()`` whenever a gradient is inf/NaN. When an op
     produces non-finite gradients on every step, the scale falls 65536 -> 64 in 10 steps and on towards 0,
     the weights never change, and nothing is printed. The finding names the op that makes the non-finite
-    gradients (the scaler is only the symptom)."""
+    gradients (the scaler is only the symptom).
+
+    **Normal back-off is no collapse.** A skipped step whose every inf/NaN origin is a backward value that fits
+    the format unscaled (the fp32 reference's value, which runs at scale 1, is below the max: only the scale
+    pushed it over) is GradScaler backing off towards the scale the gradients need -- its first steps from
+    65536, or again when gradients grow -- and one halving closer to it. Only skips with an origin no scale
+    removes (unscaled beyond the max, a forward inf, a scale already <= 1) or with no origin found make a
+    collapse; the finding names the first of them. Evidence: ``scales``, ``skipped_steps``, ``steps``,
+    ``backoff_steps`` (skips the scale explains), ``collapse_steps`` (the others), ``origin``."""
     scales = ctx.scales
     if len(scales) < 3:
         return []
     drops = sum(1 for a, b in zip(scales, scales[1:]) if b < a)
     if drops < 2 or scales[-1] >= scales[0]:
         return []
-    skipped = ctx.skipped_steps       # step 0 included: drops alone miss the first step's
-    grad_origin: OpRecord | None = None
-    for o in ctx.harmful_origins():
-        if o.record.phase == "backward":
-            grad_origin = o.record
-            break
-    if grad_origin is None and ctx.harmful_origins():
-        grad_origin = ctx.harmful_origins()[0].record
-    ev: dict[str, Any] = {"scales": scales, "skipped_steps": skipped, "steps": len(scales)}
+    backoff, collapse = _skips_by_cause(ctx)
+    if not collapse:
+        return []  # every skip is the scaler backing off from a scale only it made too large
+    first_bad = collapse[0]
+    origins = [o.record for o in ctx.harmful_origins()]
+    at_step = [r for r in origins if r.step == first_bad]
+    grad_origin = next((r for r in at_step if r.phase == "backward"), at_step[0] if at_step else None)
+    if grad_origin is None and origins:
+        grad_origin = next((r for r in origins if r.phase == "backward"), origins[0])
+    ev: dict[str, Any] = {"scales": scales, "skipped_steps": ctx.skipped_steps, "steps": len(scales),
+                          "backoff_steps": backoff, "collapse_steps": collapse}
     module, op, phase = "", "", "backward"
     order: Order | int = RUN_END
     expl = (f"The loss scale fell from {fmt(scales[0])} to {fmt(scales[-1])} over {len(scales)} steps "
-            f"({drops} reductions): each reduction is a skipped optimizer step with inf/NaN gradients.")
+            f"({drops} reductions): each reduction is a skipped optimizer step with inf/NaN gradients. "
+            f"{len(collapse)} of the skipped steps (from step {first_bad}) hold inf/NaN that no loss scale removes"
+            + (f"; {len(backoff)} others are GradScaler's normal back-off" if backoff else "") + ".")
     if grad_origin is not None:
         module, op, phase, order = grad_origin.module, grad_origin.op, grad_origin.phase, grad_origin.index
         ev["origin"] = ctx.describe(grad_origin)
@@ -147,6 +160,26 @@ def loss_scale_collapse(ctx: Context) -> list[Candidate]:
                          "if scaler.get_scale() < 1.0: raise RuntimeError('loss scale collapsed')"))
     return [Candidate(Finding("loss-scale-collapse", "error", module, op, phase,
                               f"loss scale collapsed to {fmt(scales[-1])}", expl, ev, fixes), order)]
+
+
+def _skips_by_cause(ctx: Context) -> tuple[list[int], list[int]]:
+    """The skipped steps split into GradScaler's normal back-off (every inf/NaN origin of the step is a backward
+    value that fits the format unscaled: ``scale_explains``) and the others (no scale removes them)."""
+    scales = ctx.scales
+    sc = ctx.spec.scaler
+    seq = ([float(sc.get_scale())] if sc is not None and sc.is_enabled() else []) + scales
+    first = len(seq) - len(scales)  # without the scale before the run, step 0's own skip is not seen
+    skipped = [s + 1 - first for s in range(len(seq) - 1) if seq[s + 1] < seq[s]]
+    by_step: dict[int, list[OpRecord]] = {}
+    for o in ctx.harmful_origins():
+        by_step.setdefault(o.record.step, []).append(o.record)
+    backoff: list[int] = []
+    collapse: list[int] = []
+    for s in skipped:
+        recs = by_step.get(s, [])
+        explained = bool(recs) and all(scale_explains(ctx, r) is not None for r in recs)
+        (backoff if explained else collapse).append(s)
+    return backoff, collapse
 
 
 @rule("loss-scaling-misuse", severity="error", precedence=22,

@@ -116,6 +116,60 @@ def test_stable_scaler_is_healthy() -> None:
     assert report.summary["scales"] == [65536.0] * 4
 
 
+def _high_lr_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict(fc1=nn.Linear(16, 64), act=nn.GELU(), fc2=nn.Linear(64, 64), act2=nn.GELU(),
+                                     head=nn.Linear(64, 1)))
+
+
+def _high_lr_loss(out, batch):  # noqa: ANN001, ANN201
+    return 16.0 * (out.float() - 1.0).pow(2).mean()  # gradients ~16x a plain MSE's: GradScaler backs off 6 times
+
+
+def test_scaler_backing_off_from_65536_under_a_high_lr_is_no_collapse() -> None:
+    """AdamW at lr 0.05 (weights |max| 0.25 -> 0.55 in 8 steps, finite): the scaled gradients overflow fp16 at
+    65536 .. 2048, GradScaler skips 6 steps and settles at 1024, then the loss follows fp32's. Every skip's inf is a
+    backward value that fits fp16 unscaled: normal back-off, not a collapse (it was reported as one at step 0)."""
+    torch.manual_seed(1)
+    x = torch.randn(32, 16)
+    model = _high_lr_mlp()
+    report = ampdoctor.diagnose(model, x, precision="fp16-amp", loss_fn=_high_lr_loss,
+                                optimizer=torch.optim.AdamW(model.parameters(), lr=0.05),
+                                scaler=torch.amp.GradScaler("cpu"), steps=8)
+    assert "loss-scale-collapse" not in report.codes() and report.ok, report.codes()
+    # the truth: a plain fp16-autocast loop with the same GradScaler skips the same steps, then trains
+    m = _high_lr_mlp()
+    opt, scaler, truth, losses = torch.optim.AdamW(m.parameters(), lr=0.05), torch.amp.GradScaler("cpu"), [], []
+    for _ in range(8):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = _high_lr_loss(m(x), x)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        truth.append(scaler.get_scale())
+        losses.append(loss.item())
+    assert report.summary["scales"] == truth == [2.0 ** k for k in (15, 14, 13, 12, 11, 10, 10, 10)]
+    assert losses[7] < losses[0] / 2  # it trains once calibrated
+    ref = report.summary["loss_reference"]
+    assert ref[-1] < ref[0] / 4  # and the fp32 reference goes down
+    backoff = [f for f in report.findings if f.code == "overflow"]
+    assert backoff and all(f.severity == "warning" and f.phase == "backward" and f.evidence["unscaled_absmax"] < 65504
+                           for f in backoff)
+
+
+def test_collapse_after_backing_off_names_the_unscalable_op() -> None:
+    """The cube's gradient (unscaled 3x^2 ~ 2.7e5) overflows at every scale: the skips are a collapse, and the
+    evidence keeps them apart from back-off (none here: no skip the scale explains)."""
+    model, x = _collapse_setup()
+    report = ampdoctor.diagnose(model, x, precision="fp16-amp", loss_fn=mse,
+                                optimizer=torch.optim.SGD(model.parameters(), lr=1e-3),
+                                scaler=torch.amp.GradScaler("cpu"), steps=4, policy="native")
+    f = next(f for f in report.findings if f.code == "loss-scale-collapse")
+    assert f.evidence["collapse_steps"] == [0, 1, 2, 3] and f.evidence["backoff_steps"] == []
+    assert f.evidence["autograd_node"] == "PowBackward0" and f.severity == "error"
+
+
 # -- loss-scaling-misuse ----------------------------------------------------------------------------------------------
 def _diagnose_clipping(clip_before_unscale: bool) -> ampdoctor.Report:
     """A GradScaler step that clips gradients to norm 1, before (wrong) or after (right) ``scaler.unscale_``."""
