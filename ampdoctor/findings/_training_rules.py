@@ -159,7 +159,8 @@ def loss_scale_collapse(ctx: Context) -> list[Candidate]:
              FixProposal("stop training when steps keep being skipped (watch the scale)",
                          "if scaler.get_scale() < 1.0: raise RuntimeError('loss scale collapsed')"))
     return [Candidate(Finding("loss-scale-collapse", "error", module, op, phase,
-                              f"loss scale collapsed to {fmt(scales[-1])}", expl, ev, fixes), order)]
+                              f"loss scale collapsed to {fmt(scales[-1])}", expl, ev, fixes,
+                              grad_origin.step if grad_origin is not None else first_bad), order)]
 
 
 def _skips_by_cause(ctx: Context) -> tuple[list[int], list[int]]:

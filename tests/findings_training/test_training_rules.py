@@ -167,7 +167,7 @@ def test_collapse_after_backing_off_names_the_unscalable_op() -> None:
                                 scaler=torch.amp.GradScaler("cpu"), steps=4, policy="native")
     f = next(f for f in report.findings if f.code == "loss-scale-collapse")
     assert f.evidence["collapse_steps"] == [0, 1, 2, 3] and f.evidence["backoff_steps"] == []
-    assert f.evidence["autograd_node"] == "PowBackward0" and f.severity == "error"
+    assert f.evidence["autograd_node"] == "PowBackward0" and f.severity == "error" and f.step == 0
 
 
 # -- loss-scaling-misuse ----------------------------------------------------------------------------------------------
