@@ -64,7 +64,7 @@ COMPONENTS = {
     "_writes.py:after": "write log: applied update, exact re-run where needed",
     "_mode.py:read": "the one read-back",
     "_identity.py:tensor_key": "tensor identity (storage, offset, shape, stride, dtype)",
-    "_mode.py:_gather": "the op's tensor and Python number arguments (one walk)",
+    "_opdesc.py:gather": "the op's tensor and Python number arguments (one walk)",
     "_sample.py:index_sources": "integer inputs' numeric sources (crash explanation)",
     "_modules.py:user_frame": "the user's source line (forward)",
 }
