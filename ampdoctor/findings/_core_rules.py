@@ -58,12 +58,30 @@ def _loss_scale_at(ctx: Context, step: int) -> float | None:
     return before[step] if step < len(before) else None
 
 
+def _state_twin(ctx: Context, r: OpRecord) -> OpRecord | None:
+    """The reference's record of ``r``'s op at the step whose weights the target's step ran on. Each step GradScaler
+    skipped left the target's weights where they were while the reference (no scaler) applied its update: after
+    ``j`` skips the target's step ``s`` repeats the reference's step ``s - j`` (same batch every step; a
+    ``train_step`` may draw its own, so it keeps the aligned step). ``None`` when the steps coincide."""
+    scaler = ctx.spec.scaler
+    if scaler is None or not scaler.is_enabled() or getattr(ctx.spec, "train_step", None) is not None:
+        return None
+    before = [float(scaler.get_scale()), *ctx.scales]
+    state = r.step - sum(1 for i in range(min(r.step, len(before) - 1)) if before[i + 1] < before[i])
+    if state == r.step or not 0 <= r.index < len(ctx.target_keys):
+        return None
+    cand = ctx.ref_align.get((state, *ctx.target_keys[r.index][1:]))
+    return cand if cand is not None and cand.shape == r.shape else None
+
+
 def unscaled_absmax(ctx: Context, r: OpRecord, scale: float) -> float | None:
     """|max| of backward record ``r``'s value without the loss scale ``scale``, or None when nothing tells."""
     ref = ctx.ref(r)
     if ref is not None:
-        # the reference runs at loss scale 1 (precision/_step.prepare): its value is the unscaled gradient
-        return ref.stats.get("absmax")
+        # the reference runs at loss scale 1 (precision/_step.prepare): its value is the unscaled gradient, read at
+        # the step with the target's weights (after skipped steps the aligned step has weights the target never had)
+        twin = _state_twin(ctx, r)
+        return (twin or ref).stats.get("absmax")
     if op_base(r.op) in CASTS and r.inputs and r.inputs[0] >= 0:
         # a cast only the target makes (``out.float()`` is no op in fp32, so its backward cast has no reference
         # twin): its own wider input is the scaled value it rounds

@@ -120,11 +120,12 @@ def loss_scale_collapse(ctx: Context) -> list[Candidate]:
 
     **Normal back-off is no collapse.** A skipped step whose every inf/NaN origin is a backward value that fits
     the format unscaled (the fp32 reference's value, which runs at scale 1, is below the max: only the scale
-    pushed it over) is GradScaler backing off towards the scale the gradients need -- its first steps from
-    65536, or again when gradients grow -- and one halving closer to it. Only skips with an origin no scale
-    removes (unscaled beyond the max, a forward inf, a scale already <= 1) or with no origin found make a
-    collapse; the finding names the first of them. Evidence: ``scales``, ``skipped_steps``, ``steps``,
-    ``backoff_steps`` (skips the scale explains), ``collapse_steps`` (the others), ``origin``."""
+    pushed it over; read at the reference step with the target's weights -- after ``j`` skips the target's step
+    ``s`` repeats the reference's step ``s - j``) is GradScaler backing off towards the scale the gradients
+    need -- its first steps from 65536, or again when gradients grow -- and one halving closer to it. Only skips
+    with an origin no scale removes (unscaled beyond the max, a forward inf, a scale already <= 1) or with no
+    origin found make a collapse; the finding names the first of them. Evidence: ``scales``, ``skipped_steps``,
+    ``steps``, ``backoff_steps`` (skips the scale explains), ``collapse_steps`` (the others), ``origin``."""
     scales = ctx.scales
     if len(scales) < 3:
         return []

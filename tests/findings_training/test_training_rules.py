@@ -170,6 +170,33 @@ def test_collapse_after_backing_off_names_the_unscalable_op() -> None:
     assert f.evidence["autograd_node"] == "PowBackward0" and f.severity == "error" and f.step == 0
 
 
+def test_exploding_weights_collapse_is_named_at_the_forward_overflow_not_the_back_off() -> None:
+    """AdamW at lr 5 (fp32 too explodes: |w| 6.7 -> 365 in one update, loss 1.25 -> 5.8e9): GradScaler backs off at
+    steps 0-1 (the scaled gradients of the initial weights, fitting unscaled), applies step 2, and from step 3 the
+    fp16 forward of the grown weights overflows at every scale. The skips of steps 1.. are judged against the
+    reference's step with the target's weights (after j skips the target's step s repeats the reference's s - j):
+    the aligned reference step 1 already has exploded weights the target never had."""
+    torch.manual_seed(1)
+    x = torch.randn(32, 16)
+    model = _high_lr_mlp()
+    report = ampdoctor.diagnose(model, x, precision="fp16-amp", loss_fn=lambda o, b: (o.float() - 1.0).pow(2).mean(),
+                                optimizer=torch.optim.AdamW(model.parameters(), lr=5.0),
+                                scaler=torch.amp.GradScaler("cpu"), steps=6)
+    assert report.summary["scales"] == [2.0 ** k for k in (15, 14, 14, 13, 12, 11)]
+    f = next(f for f in report.findings if f.code == "loss-scale-collapse")
+    assert f.evidence["backoff_steps"] == [0, 1] and f.evidence["collapse_steps"] == [3, 4, 5]
+    assert (f.module, f.op, f.phase, f.step) == ("head", "aten.addmm.default", "forward", 3)
+    # the truth: one fp32 AdamW update at lr 5 makes head's output exceed fp16's max, at any loss scale
+    m = _high_lr_mlp()
+    opt = torch.optim.AdamW(m.parameters(), lr=5.0)
+    (m(x) - 1.0).pow(2).mean().backward()
+    opt.step()
+    with torch.no_grad():
+        assert m(x).abs().max() > 65504
+    # the step-1 overflow (scaled gradients of the unchanged initial weights) is back-off, no error
+    assert not any(g.code == "overflow" and g.step == 1 and g.severity == "error" for g in report.findings)
+
+
 # -- loss-scaling-misuse ----------------------------------------------------------------------------------------------
 def _diagnose_clipping(clip_before_unscale: bool) -> ampdoctor.Report:
     """A GradScaler step that clips gradients to norm 1, before (wrong) or after (right) ``scaler.unscale_``."""
