@@ -215,7 +215,8 @@ class _TraceObserver(Observer):
 
     def _snapshot(self) -> None:
         if len(self.result.coverage) <= self.tr.mode.step:
-            self.result.coverage.append(_coverage(self.model, self.names, self.owners, self.opt))
+            with self.tr.paused():  # our own count_nonzero/div: not the step's ops
+                self.result.coverage.append(_coverage(self.model, self.names, self.owners, self.opt))
 
     def forward_done(self, loop: StepLoop, step: int, output: Any, loss: Any) -> None:
         self.tr.mark("output", output)

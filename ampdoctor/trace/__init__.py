@@ -272,6 +272,11 @@ class Trace:
         key = _key(t)
         return None if key is None else self.mode.producer.get(key)
 
+    def paused(self) -> Any:
+        """A context for the caller's own tensor work inside a traced step (a runner's gradient coverage): not
+        recorded, and no torch-function mode on the stack sees it."""
+        return _paused(self.mode)
+
     def mark(self, kind: str, tensors: Any) -> None:
         """Remember which records produced ``tensors`` (e.g. ``"loss"``, ``"output"``)."""
         with _NO_TORCH_FUNCTION():

@@ -257,3 +257,20 @@ def test_a_host_run_hands_the_heap_back_once_per_step_before_the_optimizer(monke
         res = run(spec, reference=False)
     assert len(calls) == 3 + 1
     assert res.losses == plain.losses and res.grad_norms == plain.grad_norms
+
+
+def test_the_runners_own_coverage_reads_are_not_recorded() -> None:
+    """The gradient coverage (a count of zeros per gradient) is the runner's work, not the step's: a traced step
+    records exactly the ops of the forward, backward and optimizer.step, in every phase."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    bare = run(make_spec(model, (x,), loss_fn=lambda out, batch: out.sum()), reference=True)
+    # (the loss read after the step, loss.detach().item(), is the one op of ours left in the records)
+    assert not [r.op for r in bare.trace.records if r.phase == "optimizer" and r.op != "aten.detach.default"]
+    assert bare.coverage and all(ps.grad_zero is not None for ps in bare.coverage[0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
+    stepped = run(make_spec(model, (x,), optimizer=opt, loss_fn=lambda out, batch: out.sum()), reference=True)
+    ops = {r.op for r in stepped.trace.records if r.phase == "optimizer"}
+    assert "aten.div.Tensor" not in ops and not any(r.dtype == "float64" for r in stepped.trace.records)
+    assert "aten.add_.Tensor" in ops  # SGD's own update is still recorded
