@@ -51,6 +51,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's ampdoctor
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _models  # noqa: E402
+from _memory import reset_peak, status_gib  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 #: diagnose / a plain **steady** (second) fp32 step, and peak RSS / the plain process's
@@ -71,25 +72,6 @@ CONFIGS: dict[str, _models.BenchConfig] = {
 
 
 # -- memory --------------------------------------------------------------------------------------------------------
-def _status(field: str) -> float:
-    """A ``/proc/self/status`` field (``VmRSS``, ``VmHWM``) in GiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 2**20
-    return float("nan")
-
-
-def _reset_peak() -> bool:
-    """Reset the process's RSS high-water mark to its current RSS (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _gib(x: float) -> float:
     return round(x, 3)
 
@@ -139,9 +121,9 @@ def child(kind: str, cfg: _models.BenchConfig, args: argparse.Namespace) -> dict
     model, opt, batch = _build(cfg)
     out["params"] = sum(p.numel() for p in model.parameters())
     out["build_s"] = round(time.perf_counter() - t0, 2)
-    out["rss_after_build_gib"] = _gib(_status("VmRSS"))
-    peaks = [_status("VmHWM")]
-    can_reset = _reset_peak()
+    out["rss_after_build_gib"] = _gib(status_gib("VmRSS"))
+    peaks = [status_gib("VmHWM")]
+    can_reset = reset_peak()
     out["phase_peaks_exact"] = can_reset
     _log(f"  [{kind}] built {out['params'] / 1e6:.0f}M params in {out['build_s']} s, "
          f"RSS {out['rss_after_build_gib']} GiB")
@@ -166,7 +148,7 @@ def child(kind: str, cfg: _models.BenchConfig, args: argparse.Namespace) -> dict
                 with gemm:
                     _step(model, opt, batch, amp=amp, scaler=scaler if kind == "amp" else None)
             steps.append(round(time.perf_counter() - t, 3))
-            peaks.append(_status("VmHWM"))
+            peaks.append(status_gib("VmHWM"))
             _log(f"  [{kind}] step {i + 1}: {steps[-1]:.1f} s, peak RSS so far {max(peaks):.2f} GiB")
         out["step_s"] = steps
         out["time_s"] = steps[0]
@@ -179,14 +161,14 @@ def child(kind: str, cfg: _models.BenchConfig, args: argparse.Namespace) -> dict
 
         def progress(phase: str) -> None:
             now = time.perf_counter()
-            peak = _status("VmHWM")
+            peak = status_gib("VmHWM")
             if phases:
                 phases[-1]["s"] = round(now - phases[-1]["t0"], 2)
                 phases[-1]["peak_gib"] = _gib(peak)
                 _log(f"  [diagnose] {phases[-1]['phase']} done: {phases[-1]['s']:.1f} s, phase peak RSS "
                      f"{peak:.2f} GiB")
             peaks.append(peak)
-            entry: dict[str, Any] = {"phase": phase, "t0": now, "rss_at_start_gib": _gib(_status("VmRSS"))}
+            entry: dict[str, Any] = {"phase": phase, "t0": now, "rss_at_start_gib": _gib(status_gib("VmRSS"))}
             if phase == "target":
                 # the reference run's deep copy must be gone before the target's is made (cycles included)
                 entry["live_models"] = sum(1 for o in gc.get_objects() if type(o) is cls)
@@ -195,7 +177,7 @@ def child(kind: str, cfg: _models.BenchConfig, args: argparse.Namespace) -> dict
                      + (f", live {cls.__name__} objects: {entry['live_models']}" if "live_models" in entry else "")
                      + ")")
             phases.append(entry)
-            _reset_peak()
+            reset_peak()
 
         from ampdoctor.precision.emulation import GEMM_ENV
 
@@ -211,7 +193,7 @@ def child(kind: str, cfg: _models.BenchConfig, args: argparse.Namespace) -> dict
         out["loss_target"] = report.summary.get("loss_target")
         out["loss_reference"] = report.summary.get("loss_reference")
         out["scales"] = report.summary.get("scales")
-    peaks.append(_status("VmHWM"))
+    peaks.append(status_gib("VmHWM"))
     out["peak_rss_gib"] = _gib(max(peaks))
     # getrusage's ru_maxrss is this process's high-water mark too, but the per-phase resets above lower it
     out["ru_maxrss_gib"] = _gib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)

@@ -32,25 +32,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _models  # noqa: E402
+from _memory import reset_peak, status_gib  # noqa: E402
 
 import ampdoctor  # noqa: E402
 from ampdoctor.precision import SharedCopy, StepLoop, make_spec, prepare  # noqa: E402
-
-
-def _status(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 2**20
-    return float("nan")
-
-
-def _reset_peak() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
 
 
 def _one(model: Any, opt: Any, batch: Any, precision: str, shared: bool) -> dict[str, Any]:
@@ -68,8 +53,8 @@ def _one(model: Any, opt: Any, batch: Any, precision: str, shared: bool) -> dict
         last[0], last[1] = now, phase
 
     gc.collect()
-    rss0 = _status("VmRSS")
-    _reset_peak()
+    rss0 = status_gib("VmRSS")
+    reset_peak()
     t0 = time.perf_counter()
     try:
         report = ampdoctor.diagnose(model, batch, precision=precision, optimizer=opt, scaler=scaler,
@@ -77,7 +62,7 @@ def _one(model: Any, opt: Any, batch: Any, precision: str, shared: bool) -> dict
     finally:
         SharedCopy.keep = keep  # type: ignore[method-assign]
     return {"precision": precision, "shared": shared, "s": round(time.perf_counter() - t0, 3), "phases": phases,
-            "peak_above_start_gib": round(_status("VmHWM") - rss0, 3), "rss_start_gib": round(rss0, 3),
+            "peak_above_start_gib": round(status_gib("VmHWM") - rss0, 3), "rss_start_gib": round(rss0, 3),
             "findings": [f.code for f in report.findings], "loss_target": report.summary.get("loss_target")}
 
 
@@ -102,12 +87,12 @@ def _copy(model: Any, opt: Any, batch: Any, precision: str, shared: bool) -> dic
     gc.collect()
     _trim()  # as the runner does when a run's copy is gone: the fresh copy then page-faults its memory anew
     kept = len(box)
-    rss0 = _status("VmRSS")
+    rss0 = status_gib("VmRSS")
     t0 = time.perf_counter()
     tgt = prepare(spec, reference=False, shared=box)
     s = time.perf_counter() - t0
     out = {"precision": precision, "shared": shared, "prepare_s": round(s, 3),
-           "rss_added_gib": round(_status("VmRSS") - rss0, 3), "tensors_kept": kept}
+           "rss_added_gib": round(status_gib("VmRSS") - rss0, 3), "tensors_kept": kept}
     del tgt
     gc.collect()
     return out
