@@ -9,19 +9,7 @@ import torch.nn as nn
 transformers = pytest.importorskip("transformers")
 
 from ampdoctor.integrations.hf import AmpDoctorCallback  # noqa: E402
-
-
-class Pairs(torch.utils.data.Dataset):
-    def __init__(self, n: int = 16) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.ids = torch.randint(0, 50, (n, 6), generator=g)
-        self.labels = torch.randint(0, 2, (n,), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+from tests.integrations._hf_data import Pairs  # noqa: E402
 
 
 def tiny_bert(plant_unused: bool) -> nn.Module:

@@ -18,7 +18,8 @@ L = pytest.importorskip("lightning")
 from ampdoctor.integrations.accelerate import watch_accelerator  # noqa: E402
 from ampdoctor.integrations.hf import AmpDoctorCallback as HFCallback  # noqa: E402
 from ampdoctor.integrations.lightning import AmpDoctorCallback as LCallback  # noqa: E402
-from tests.integrations.test_hf import Pairs, tiny_bert  # noqa: E402
+from tests.integrations._hf_data import Pairs  # noqa: E402
+from tests.integrations.test_hf import tiny_bert  # noqa: E402
 
 
 def _hf(tmp_path, **flags) -> tuple[object, list]:
