@@ -10,7 +10,7 @@ import torch
 from ampdoctor.findings._common import HALF, base_evidence, bf16_fix, dtype_name, fmt, limits, op_base, where
 from ampdoctor.findings._context import Context
 from ampdoctor.findings._core_rules import scale_explains
-from ampdoctor.findings._fp8_casts import clip_candidates
+from ampdoctor.findings._fp8_casts import clip_candidates, emulated_candidates
 from ampdoctor.findings._registry import RUN_END, RUN_FP8_SCALES, SETUP_CRASH, Candidate, Order, rule
 from ampdoctor.findings._types import Finding, FixProposal
 from ampdoctor.findings._updates import lost_updates, scaled_updates
@@ -283,8 +283,14 @@ def fp8_scale(ctx: Context) -> list[Candidate]:
     ``history_amax`` (the amax the scale came from), ``scale_max`` (the largest |x| the stale scale represents),
     ``amax_growth`` and ``fitting_margin`` (the further ``2**m`` that fits); the finding's ``step`` is the first
     step that clips. In the emulated fp8 run (precision ``"fp8*"``) too: ``step`` is the first step a layer's role
-    saturates, ``first_saturated`` its amax and the history amax its scale came from."""
-    out: list[Candidate] = _emulated_fp8(ctx) + clip_candidates(ctx, "fp8-scale")  # + the user's own fp8 casts
+    saturates, ``first_saturated`` its amax and the history amax its scale came from; saturation that adds less
+    squared error than the layer's rounding (``clip_error_share`` < 50%: delayed scaling's usual small amax growth
+    between steps) is ``info``. An outlier that sets a layer's per-tensor amax (``amax_over_median``) pushes the
+    bulk into the subnormal range: a warning when more than 10% of the nonzero values flush or the median keeps fewer
+    significant bits than the format (``median_abs``, ``median_scaled``, ``median_bits``, ``flush_below``); the
+    verified fix keeps that layer out of fp8 (``keep_fp32``)."""
+    out: list[Candidate] = emulated_candidates(ctx, RUN_FP8_SCALES)  # ampdoctor's emulated fp8 layers
+    out += clip_candidates(ctx, "fp8-scale")  # the user's own fp8 casts
     recs = ctx.records
     for o in ctx.harmful_origins():
         r = o.record
@@ -313,55 +319,4 @@ def fp8_scale(ctx: Context) -> list[Candidate]:
         out.append(Candidate(Finding("fp8-scale", "error", r.module, r.op, r.phase,
                                      f"fp8 scale from amax 0 in {r.module or '<root>'}", expl, ev, fixes, r.step),
                              r.index))
-    return out
-
-
-def _emulated_fp8(ctx: Context) -> list[Candidate]:
-    """Per-layer fp8 saturation / underflow / zero-amax from the emulated fp8 run (precision ``"fp8*"``)."""
-    stats = ctx.target.fp8
-    if stats is None:
-        return []
-    out: list[Candidate] = []
-    phase_of = {"input": "forward", "weight": "forward", "grad_output": "backward"}
-    for module, tensors in sorted(stats.by_module().items()):
-        for role in ("input", "weight", "grad_output"):
-            ts = [t for t in tensors if t.role == role]
-            if not ts:
-                continue
-            sat = sum(t.saturated for t in ts)
-            und = sum(t.underflowed for t in ts)
-            nz = sum(t.nonzero for t in ts)
-            numel = sum(t.numel for t in ts)
-            zero_amax = sum(1 for t in ts if t.amax == 0)
-            worst = max(ts, key=lambda t: t.amax)
-            stale = any(t.amax_history < t.amax for t in ts if t.saturated)
-            first = min((t for t in ts if t.saturated), key=lambda t: (t.step, t.call), default=None)
-            ev: dict[str, Any] = {"role": role, "format": worst.format, "saturated": sat, "underflowed": und,
-                                  "nonzero": nz, "numel": numel, "amax": worst.amax, "scale": worst.scale,
-                                  "amax_history": worst.amax_history, "zero_amax_tensors": zero_amax,
-                                  "amax_floor": stats.recipe.amax_floor, "scaling": stats.recipe.scaling}
-            parts = []
-            if first is not None:  # the first step that clips, with the amax its (stale) scale came from
-                ev["first_saturated"] = {"step": first.step, "amax": first.amax, "amax_history": first.amax_history,
-                                         "scale": first.scale, "saturated": first.saturated}
-                parts.append(f"{sat} value(s) saturate at the {worst.format} max, first at step {first.step}"
-                             + (" (delayed scaling: the scale was computed from an older amax, an amax history "
-                                f"below the current amax: {fmt(first.amax_history)} < {fmt(first.amax)})"
-                                if stale and first.amax_history < first.amax else ""))
-            if nz and und / nz > 0.01:
-                parts.append(f"{und / nz:.0%} of the nonzero values underflow to 0 in {worst.format}")
-            if zero_amax:
-                parts.append(f"{zero_amax} tensor(s) have amax 0; the scale was floored at "
-                             f"{stats.recipe.amax_floor:g} instead of becoming inf/NaN")
-            if not parts:
-                continue
-            severity = "warning" if sat or (nz and und / nz > 0.5) else "info"
-            expl = f"fp8 {role} of {module} ({worst.format}, {stats.recipe.scaling} scaling): " + "; ".join(parts) + "."
-            fixes = (FixProposal("use current (dynamic) scaling or a margin for this layer",
-                                 "Fp8Recipe(scaling='dynamic', margin=1)"),
-                     FixProposal(f"keep {module} in bf16", "", id="keep_fp32", params={"modules": [module]}))
-            out.append(Candidate(Finding("fp8-scale", severity, module, "aten.linear.default",
-                                         phase_of[role], f"fp8 {role} of {module}: " + parts[0],
-                                         expl, ev, fixes, first.step if first is not None else 0),
-                                 RUN_FP8_SCALES))
     return out

@@ -153,6 +153,14 @@ def keep_fp32(params: dict[str, Any], ctx: FixContext) -> FixPlan:
     desc += (", parameters kept float32 after the model cast, outputs cast back to the model's dtype" if whole
              else ", outputs left in float32 for autocast to narrow where the next op runs in low precision")
     m0 = mods[0]
+    if str(ctx.precision).startswith("fp8"):  # fp8: the module's linears leave fp8 and run unquantised
+        desc = f"run {_qual(mods)} outside fp8: its linears unquantised, in float32"
+        return FixPlan("keep_fp32", {"modules": mods}, desc,
+                       "import transformer_engine.pytorch as te\n\n"
+                       f"module = model.get_submodule({m0!r})\nforward = module.forward\n\n"
+                       "def forward_high_precision(*args, **kwargs):\n"
+                       "    with te.fp8_autocast(enabled=False):\n        return forward(*args, **kwargs)\n\n"
+                       "module.forward = forward_high_precision", (KeepFp32(tuple(mods)),))
     snippet = (f"module = model.get_submodule({m0!r})\n"
                "forward = module.forward\n\n"
                "def forward_fp32(*args, **kwargs):\n"

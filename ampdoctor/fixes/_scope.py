@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ampdoctor.precision import fp8_disabled
 from ampdoctor.trace import (
     DUNDERS,
     HALF_DTYPES,
@@ -151,6 +152,9 @@ class _Scope:
                 ctx: Any = torch.autocast(dev, enabled=False)
                 ctx.__enter__()
                 entered.append(ctx)
+                off = fp8_disabled()  # and out of an (emulated) fp8 block: the module's linears run unquantised
+                off.__enter__()
+                entered.append(off)
             if self.mode is not None:
                 m = self.mode()
                 m.__enter__()

@@ -58,7 +58,7 @@ from ampdoctor.precision._step import (
     saved_rng,
 )
 from ampdoctor.precision.emulation import cuda_autocast
-from ampdoctor.precision.fp8 import Fp8Autocast, Fp8Recipe, Fp8Stats, Fp8TensorStats, fp8_autocast
+from ampdoctor.precision.fp8 import Fp8Autocast, Fp8Recipe, Fp8Stats, Fp8TensorStats, fp8_autocast, fp8_disabled
 from ampdoctor.precision.headroom import Headroom, HeadroomRow, headroom
 
 __all__ = [
@@ -88,6 +88,7 @@ __all__ = [
     "HeadroomRow",
     "cuda_autocast",
     "fp8_autocast",
+    "fp8_disabled",
     "headroom",
     "policy_for",
     "policy_table_markdown",

@@ -28,10 +28,13 @@ Recipe semantics (:class:`Fp8Recipe`)
 
 Statistics (:class:`Fp8TensorStats`, one per call and role) are reduced on the device: amax, scale, the amax the
 scale came from, saturated count (``|x * scale|`` beyond what rounds to fmax: > 464 for e4m3, >= 61440 for e5m2),
-underflow count (nonzero elements that quantise to 0), nonzero count, numel. :meth:`Fp8Autocast.stats` reads them
-back with a single host sync. Calls are attributed to the innermost module of ``model`` running the ``F.linear``
-(forward pre/post hooks, removed on exit, also on exceptions); ``call`` numbers the ``F.linear`` calls within one
-forward of that module (0 for an ``nn.Linear``).
+underflow count (nonzero elements that quantise to 0), nonzero count, numel, the median |x| of the nonzero values
+(where the bulk sits when an outlier sets amax), the squared quantisation error and its part from saturated
+elements. :meth:`Fp8Autocast.stats` reads them back with a single host sync. Calls are attributed to the
+innermost module of ``model`` running the ``F.linear`` (forward pre/post hooks, removed on exit, also on
+exceptions); ``call`` numbers the ``F.linear`` calls within one forward of that module (0 for an ``nn.Linear``).
+:func:`fp8_disabled` runs a block's linears unquantised (TE's nested ``fp8_autocast(enabled=False)``: layers kept
+in high precision).
 
 Measured on torch 2.13: casting to ``torch.float8_e4m3fn`` saturates (1e6 and inf become 448, NaN stays NaN);
 casting to ``torch.float8_e5m2`` does not (1e6 becomes inf) - hence the explicit clamp.
@@ -39,8 +42,11 @@ casting to ``torch.float8_e5m2`` does not (1e6 becomes inf) - hence the explicit
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +132,12 @@ class Fp8TensorStats:
     underflowed: int
     nonzero: int
     numel: int
+    #: median |x| of the nonzero values before scaling: where the bulk sits (an outlier sets ``amax``)
+    median_abs: float = 0.0
+    #: sum of squared quantisation errors ``(dequantised - x)**2`` of the whole tensor, in x's units
+    error_sq: float = 0.0
+    #: the part of ``error_sq`` from saturated elements (what clipping at fmax adds to the rounding error)
+    clip_error_sq: float = 0.0
 
     @property
     def saturated_fraction(self) -> float:
@@ -194,12 +206,17 @@ class _Recorder:
         q = xs.clamp(-fmt.max, fmt.max).to(fmt.dtype).to(torch.float32)
         nonzero = xf != 0
         underflowed = (q == 0) & nonzero
+        # median |x| of the nonzero values (zeros as NaN: no boolean indexing, so no host sync); 0 when all zero
+        median = (torch.where(nonzero, xf.abs(), math.nan).flatten().nanmedian().nan_to_num(0.0) if xf.numel()
+                  else xf.new_zeros(()))
+        err_sq = (q - xs).square() / scale.square()
         if recipe.scaling == "delayed":
             if state.history is None:
                 state.history = xf.new_zeros(recipe.amax_history_len)
             state.history[state.steps % recipe.amax_history_len] = amax
         self.rows.append(torch.stack([amax, scale, amax_used, saturated.sum().to(torch.float32),
-                                      underflowed.sum().to(torch.float32), nonzero.sum().to(torch.float32)])
+                                      underflowed.sum().to(torch.float32), nonzero.sum().to(torch.float32),
+                                      median, err_sq.sum(), (err_sq * saturated).sum()])
                          .to(torch.float64))
         self.meta.append((module, call, role, fmt.name, state.steps, xf.numel()))
         state.steps += 1
@@ -213,7 +230,8 @@ class _Recorder:
         out = []
         for (module, call, role, fmt, step, numel), v in zip(self.meta, values):
             out.append(Fp8TensorStats(module, call, role, fmt, step, float(v[0]), float(v[1]), float(v[2]),
-                                      int(v[3]), int(v[4]), int(v[5]), numel))
+                                      int(v[3]), int(v[4]), int(v[5]), numel, float(v[6]), float(v[7]),
+                                      float(v[8])))
         return Fp8Stats(self.recipe, tuple(out))
 
 
@@ -247,6 +265,32 @@ class _Fp8Linear(torch.autograd.Function):
         return gx, gw, gb, None
 
 
+class _Disabled(threading.local):
+    depth = 0
+
+
+_DISABLED = _Disabled()
+
+
+@contextlib.contextmanager
+def fp8_disabled() -> Iterator[None]:
+    """Inside an :func:`fp8_autocast` block, run the ``F.linear`` calls of this block unquantised (in their own
+    dtype), as Transformer Engine's nested ``fp8_autocast(enabled=False)`` does for layers kept in high precision.
+
+    >>> with fp8_autocast(model) as fp8:                     # doctest: +SKIP
+    ...     with fp8_disabled():
+    ...         y = model.lm_head(h)                         # not quantised, no statistics recorded
+
+    Nests; thread-local; does nothing outside an fp8 block. Backward passes of linears run inside it are not
+    quantised either (they never entered the fp8 autograd Function).
+    """
+    _DISABLED.depth += 1
+    try:
+        yield
+    finally:
+        _DISABLED.depth -= 1
+
+
 class _Fp8Mode(TorchFunctionMode):
     def __init__(self, owner: Fp8Autocast) -> None:
         super().__init__()
@@ -254,7 +298,7 @@ class _Fp8Mode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
-        if func is not F.linear:
+        if func is not F.linear or _DISABLED.depth:
             return func(*args, **kwargs)
         x, weight, bias = _linear_args(args, kwargs)
         module, call = self.owner._site()

@@ -182,13 +182,18 @@ def _emulated(lr: float) -> ampdoctor.Report:
 def test_emulated_delayed_scaling_names_the_first_step_that_saturates():
     report = _emulated(0.1)
     by = {(f.module, f.evidence["role"]): f for f in report.findings if f.code == "fp8-scale"}
-    f = by[("fc2", "input")]
-    assert (f.severity, f.op, f.phase, f.step) == ("warning", "aten.linear.default", "forward", 2)
+    f = by[("fc3", "input")]  # amax 8.35 -> 12.8 between steps 0 and 1: the stale scale clips the largest by 56%
+    assert (f.severity, f.op, f.phase, f.step) == ("warning", "aten.linear.default", "forward", 1)
     first = f.evidence["first_saturated"]
-    assert first["step"] == 2 and first["amax_history"] < first["amax"] and first["saturated"] > 0
+    assert first["step"] == 1 and first["amax_history"] < first["amax"] and first["saturated"] > 0
+    assert f.evidence["clip_relative"] > 0.5 and f.evidence["clip_error_share"] > 0.5
     assert "delayed scaling: the scale was computed from an older amax" in f.explanation
-    assert by[("fc3", "input")].step == 1 and by[("fc3", "grad_output")].phase == "backward"
+    assert by[("fc3", "grad_output")].phase == "backward"
     assert all(g.step == g.evidence["first_saturated"]["step"] > 0 for g in by.values())
+    # fc2's input grows 4% at step 2: one value of 128 clipped by 4%, less error than rounding -- not a warning
+    stats = [s for s in report.summary["fp8"] if (s["module"], s["role"]) == ("fc2", "input")]
+    assert stats[2]["saturated"] == 1 and stats[2]["amax"] / stats[2]["amax_history"] < 1.05
+    assert by.get(("fc2", "input")) is None or by[("fc2", "input")].severity == "info"
 
 
 def test_emulated_delayed_scaling_with_ranges_that_do_not_grow_is_clean():
