@@ -149,7 +149,9 @@ def _step_findings(model: nn.Module, precision: str, source: str, first: DecodeS
         pos = first.position if pos is None else pos
         ev = {**f.evidence, **where, "position": pos, "cache": cache}
         title = f"decode step {first.step} (position {pos}): {f.title}"
-        out.append(replace(f, evidence=Evidence.of(ev), title=title))
+        # the traced run is one step (its step 0): say which decode step it is, in the text and in ``step``
+        expl = f.explanation.replace(f", step {f.step})", f", decode step {first.step})")
+        out.append(replace(f, evidence=Evidence.of(ev), title=title, explanation=expl, step=first.step))
     if not any(f.severity == "error" for f in out):
         out.insert(0, _divergence_finding(first, where))
     records = ctx.records
