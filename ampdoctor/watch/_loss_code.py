@@ -11,8 +11,9 @@ parameter is not recorded (a replay would backpropagate into the live graph or t
 :meth:`LossProgram.loss_fn` runs the same calls on a replay's output:
 nothing from the script's source runs, only the torch functions it called, in its order, with its arguments.
 
-The recorder is a :class:`~torch.overrides.TorchFunctionMode` pushed when the root module returns and popped at
-``backward()`` (or at the optimizer step, the next forward, the watch's exit): a step whose loss uses a
+The recorder is a :class:`~torch.overrides.TorchFunctionMode` pushed when the root module returns and popped as
+soon as ``backward()`` returns or raises (:func:`_leave_on_return`; else at the optimizer step, the next forward, the
+watch's exit): a step whose loss uses a
 ``TorchFunctionMode`` of its own, or more than :data:`MAX_CALLS` calls, is not recorded (the replay then says it
 ran the forward alone).
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import builtins
 import logging
+import sys
 import types
 from collections import deque
 from collections.abc import Callable
@@ -30,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from ampdoctor.precision import default_loss
 from ampdoctor.trace import user_frame
@@ -152,6 +154,17 @@ class LossRecorder(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.done:
             return func(*args, **kwargs)
+        try:
+            return self._handle(func, args, kwargs)
+        except BaseException:          # the user's loss code or backward() failed: record nothing more
+            if not self.done:
+                self.stop("the loss code raised")
+            raise
+        finally:
+            if self.done:              # leave the mode stack as soon as torch has put this mode back on it
+                _leave_on_return(self, sys._getframe(1))
+
+    def _handle(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         if func in _BACKWARDS:
             self._finish(args[0] if args else kwargs.get("tensors"))
             return func(*args, **kwargs)
@@ -197,14 +210,42 @@ class LossRecorder(TorchFunctionMode):
 
     def pop(self) -> bool:
         """Leave the mode stack if this mode is on top (True when it is off the stack)."""
-        from torch.overrides import _get_current_function_mode_stack
-
         stack = _get_current_function_mode_stack()
         if not stack or stack[-1] is not self:
             return self not in stack
         self.__exit__(None, None, None)
         self._release()
         return True
+
+
+def _leave_on_return(rec: LossRecorder, caller: types.FrameType) -> None:
+    """Pop ``rec`` off the mode stack right after the torch call it is handling returns (or raises).
+
+    While a ``TorchFunctionMode`` handles a call, torch has taken it off the stack and puts it back when the handler
+    returns (``handle_torch_function``'s ``_pop_mode_temporarily`` for Python functions such as
+    ``Tensor.backward``, a C++ guard for C++ functions), so the handler cannot leave the stack itself. A profile
+    function, set for this one return, does it at the first return event of ``caller`` (the frame that called the
+    handler): the stack is restored by then. Left on the stack, the done recorder would be a pass-through frame in
+    every later torch call, and torch's warnings would name ``_loss_code.py`` instead of the user's line. When a
+    profiler is already installed (cProfile, a sampling profiler's hook) it stays untouched: the tap pops the
+    recorder at its next hook instead (the optimizer step, the next forward, the watch's exit).
+    """
+    if sys.getprofile() is not None:
+        return
+
+    def on_event(frame: types.FrameType, event: str, arg: Any) -> None:
+        if frame is not caller or event not in ("return", "c_return", "c_exception"):
+            return
+        stack = _get_current_function_mode_stack()
+        if event != "return" and rec not in stack:     # a builtin the caller ran before torch restored the stack
+            return
+        sys.setprofile(None)
+        try:
+            rec.pop()
+        except Exception as exc:  # noqa: BLE001 - never into the user's code; the tap pops it at its next hook
+            log.debug("ampdoctor.watch: the loss recorder stays on the mode stack (%s)", exc)
+
+    sys.setprofile(on_event)
 
 
 class LossCodeTap:

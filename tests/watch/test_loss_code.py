@@ -3,6 +3,8 @@ leaves the mode stack, and records nothing it could not replay faithfully."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 from torch.overrides import _get_current_function_mode_stack
@@ -75,3 +77,57 @@ def test_gradient_accumulation_keeps_each_steps_last_micro_batch() -> None:
     finally:
         tap.close()
     assert not _get_current_function_mode_stack()
+
+
+def _train(watched: bool, *, fail_at: int | None = None) -> tuple[list[torch.Tensor], list[list[tuple[str, int]]],
+                                                                  list[int]]:
+    """Three SGD steps of a loop whose loss is computed outside the model; after each backward() a torch warning
+    (``.grad`` of a non-leaf) is raised from this file. Returns the weights, each step's warning locations and the
+    mode-stack depth seen right after backward() and after the step."""
+    import warnings
+
+    import ampdoctor
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    where: list[list[tuple[str, int]]] = []
+    depth: list[int] = []
+    w = ampdoctor.watch(m, opt, loss_code=True) if watched else None
+    if w is not None:
+        w.__enter__()
+    try:
+        for i in range(3):
+            out = m(torch.randn(5, 4))
+            loss = nn.functional.mse_loss(torch.sigmoid(out), torch.zeros(5, 1))
+            if i == fail_at:       # backward() raises inside the recorder's handler
+                try:
+                    (loss * torch.ones(2)).backward()
+                except RuntimeError:
+                    pass
+                loss = nn.functional.mse_loss(torch.sigmoid(m(torch.randn(5, 4))), torch.zeros(5, 1))
+            loss.backward()
+            depth.append(len(_get_current_function_mode_stack()))
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                _ = out.grad; line = sys._getframe().f_lineno   # noqa: E702 - the warning's line
+            where.append([(x.filename, x.lineno - line) for x in seen])
+            opt.step()
+            opt.zero_grad()
+            depth.append(len(_get_current_function_mode_stack()))
+    finally:
+        if w is not None:
+            w.__exit__(None, None, None)
+    return [p.detach().clone() for p in m.parameters()], where, depth
+
+
+def test_recorder_leaves_the_mode_stack_when_backward_returns_or_raises() -> None:
+    """Under ``loss_code=True`` the recorder is off the mode stack as soon as backward() returns, also when it
+    raises; a torch warning raised after it names the user's line, not ``_loss_code.py``; training is bitwise the
+    unwatched twin's."""
+    for fail_at in (None, 1):
+        plain, plain_where, _ = _train(False, fail_at=fail_at)
+        weights, where, depth = _train(True, fail_at=fail_at)
+        assert depth == [0] * 6
+        assert where == plain_where and all(w == [(__file__, 0)] for w in where), where
+        assert all(torch.equal(a, b) for a, b in zip(weights, plain, strict=True))
