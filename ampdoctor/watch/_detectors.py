@@ -114,6 +114,10 @@ class DetectorState:
     n_spikes: int = 0
     coverage_open: bool = True
     zero_grads: dict[str, bool] = field(default_factory=dict)
+    #: the reduced dtype the step's backward ran in ("float16"/"bfloat16": autocast, else the parameters), or None
+    backward_dtype: Callable[[], str | None] = lambda: None
+    #: that dtype when parameters reached by the graph ended the coverage steps with exactly-zero gradients
+    zero_dtype: str | None = None
     lost: LostUpdates = field(default_factory=LostUpdates)
     health: ScaleHealth = field(default_factory=ScaleHealth)
     skip_run: list[StepRecord] = field(default_factory=list)
@@ -177,10 +181,28 @@ def _loss(e: LossSeen, s: DetectorState) -> list[Detection]:
 
 @detector("coverage", GradsSeen)
 def _coverage(e: GradsSeen, s: DetectorState) -> list[Detection]:
-    if s.coverage_open and not e.record.skipped:
-        for n, x in zip(e.names, e.norms):
-            s.zero_grads[n] = s.zero_grads.get(n, True) and x == 0.0
-    return []
+    """Gradients exactly zero in every coverage step. A parameter with a gradient tensor is reached by the autograd
+    graph: in a reduced-precision backward its zeros may be values that flushed below the format's smallest
+    subnormal (fp16: 2**-24), so the last coverage step is a ``zero-grads`` anomaly for a replay to compare with
+    fp32 (it names the op where they flushed, or finds them zero in fp32 too)."""
+    if not s.coverage_open or e.record.skipped:
+        return []
+    for n, x in zip(e.names, e.norms):
+        s.zero_grads[n] = s.zero_grads.get(n, True) and x == 0.0
+    if e.record.step + 1 < s.options.coverage_steps or s.zero_dtype is not None:
+        return []
+    zero = [n for n in e.names if s.zero_grads.get(n)]
+    dtype = s.backward_dtype() if zero else None
+    if dtype is None:
+        return []
+    s.zero_dtype = dtype
+    owners = list(dict.fromkeys(s.owners.get(n, "") or "<root>" for n in zero))
+    return [Detection(
+        "zero-grads", e.record,
+        f"the gradients of {len(zero)} parameter(s) (modules: {', '.join(owners[:4])}) were exactly zero in each of "
+        f"the first {e.record.step + 1} step(s) of a {dtype} backward although the graph reaches them: gradient "
+        "underflow is likely (values below the format's smallest subnormal flush to 0); a replay against fp32 "
+        "names the op where they flush.")]
 
 
 @detector("gradients", GradsSeen)

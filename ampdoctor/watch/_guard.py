@@ -32,7 +32,7 @@ from ampdoctor.watch._payload import build_payload, copy_without_hooks
 from ampdoctor.watch._policy import Anomaly, AnomalyPolicy
 from ampdoctor.watch._prestate import moved_to, nonfinite_state, prior_payload
 from ampdoctor.watch._ranks import RankAgreement, is_sharded
-from ampdoctor.watch._report import build_report, precision_of
+from ampdoctor.watch._report import backward_dtype, build_report, precision_of
 from ampdoctor.watch._scaler import GradScalerView
 from ampdoctor.watch._sinks import ScalarSink, Sinks
 from ampdoctor.watch._steps import StepTracker
@@ -90,6 +90,7 @@ class Watch:
         self._health.active = True
         try:
             self._tracker.setup()
+            self._tracker.state.backward_dtype = lambda: backward_dtype(self._tracker)
             self._policy.ranks = RankAgreement.create(self.model, self.options.on_anomaly,   # collective
                                                       self.options.ranks)
             if self.options.tensorboard is not None:

@@ -11,8 +11,9 @@ from ampdoctor.errors import AnomalyError
 OnAnomaly = Literal["warn", "raise", "skip", "replay"]
 #: The values of ``on_anomaly``.
 ON_ANOMALY: tuple[str, ...] = get_args(OnAnomaly)
-Kind = Literal["nonfinite-loss", "nonfinite-grads", "grad-spike", "loss-scale-collapse"]
-#: Anomaly kinds the guard reacts to.
+Kind = Literal["nonfinite-loss", "nonfinite-grads", "grad-spike", "loss-scale-collapse", "zero-grads"]
+#: Anomaly kinds the guard reacts to (``zero-grads``: gradients exactly zero through the coverage steps in a
+#: reduced-precision backward; only located by a replay, never raised or skipped).
 KINDS: tuple[str, ...] = get_args(Kind)
 
 

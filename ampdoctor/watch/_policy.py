@@ -30,6 +30,8 @@ log = logging.getLogger("ampdoctor.watch")
 
 #: kinds whose optimizer step ``on_anomaly="skip"`` drops
 SKIPPABLE = ("nonfinite-loss", "nonfinite-grads", "grad-spike")
+#: kinds a replay only locates (its own replay slot, not counted in MAX_REPLAYS): never raised or skipped
+LOCATE_ONLY = ("zero-grads",)
 #: in-process replays per run at most (the first anomaly's, and later ones while none located an error)
 MAX_REPLAYS = 3
 
@@ -70,6 +72,9 @@ class AnomalyPolicy:
         #: why the replay found no inf/NaN origin for the anomaly it replayed (``_rules.not_reproduced``)
         self.unreproduced: dict[str, Any] | None = None
         self.replay_step: int | None = None
+        #: the replay of a ``zero-grads`` anomaly (compared with fp32: underflow at an op, or zero in fp32 too)
+        self.zero_replay: Report | None = None
+        self.zero_replay_step: int | None = None
         #: replays run so far (a later anomaly is replayed while none located an error, see ``_replay_open``)
         self.replays = 0
         self.skipped_by_guard = 0
@@ -101,6 +106,12 @@ class AnomalyPolicy:
         first = d.kind not in self.kinds_seen
         self.kinds_seen.add(d.kind)
         self.counts[d.kind] += 1
+        if d.kind in LOCATE_ONLY:
+            path = self._locate_only(a) if first else None
+            self.recent.append({"kind": d.kind, "step": d.record.step, "message": d.message, "reproducer": path})
+            self.sinks.anomaly(f"ampdoctor.watch: {d.message}" + (f" Reproducer: {path}" if path else ""),
+                               first=first)
+            return
         path = self._extras(a, write=first) if first or self._replay_open else None
         if self.ranks is not None:
             self._tell_ranks(a)
@@ -215,6 +226,26 @@ class AnomalyPolicy:
                                     "already the corrupted one; call w.step(loss) before optimizer.step()")
         return path
 
+    def _locate_only(self, a: Anomaly) -> str | None:
+        """Reproducer and replay of a :data:`LOCATE_ONLY` anomaly (a pre-step state only); the replay goes to its own
+        slot, so a later inf/NaN anomaly is still replayed."""
+        o = self.options
+        if self.sharded or not a.pre_step or not (self.locates or o.reproducer_dir is not None):
+            return None
+        try:
+            payload = self._payload(a)
+        except Exception as exc:  # noqa: BLE001 - an extra: the watch goes on
+            log.warning("ampdoctor.watch: recording step %d failed (%s: %s); no reproducer or replay for it",
+                        a.detection.record.step, type(exc).__name__, exc)
+            return None
+        path = self._write(payload, a) if o.reproducer_dir is not None else None
+        if self.locates and self.replay_error is None:
+            report = self._run_replay(payload, path)
+            if report is not None:
+                self.zero_replay, self.zero_replay_step = report, int(payload["step"])
+                self._log_root(report, int(payload["step"]))
+        return path
+
     def _write(self, payload: dict[str, Any], a: Anomaly) -> str | None:
         if self._writer_broken:
             return None
@@ -236,16 +267,28 @@ class AnomalyPolicy:
         program = self.loss_code(int(payload["step"]))
         return None if program is None else program.loss_fn
 
-    def _replay(self, payload: dict[str, Any], path: str | None) -> None:
-        self.replays += 1
+    def _run_replay(self, payload: dict[str, Any], path: str | None) -> Report | None:
         try:
             with torch.enable_grad():   # may run inside optimizer.step(), which disables grad
-                report = _reproducer.replay_payload(payload, self._copy_model, origin=path or "",
-                                                     train_step=self.train_step, loss_fn=self._loss_fn(payload))
+                return _reproducer.replay_payload(payload, self._copy_model, origin=path or "",
+                                                  train_step=self.train_step, loss_fn=self._loss_fn(payload))
         except Exception as exc:  # noqa: BLE001 - a failed replay must not stop training
             self.replay_error = f"{type(exc).__name__}: {exc}"
             log.warning("ampdoctor.watch: replaying step %d failed (%s); the watch goes on", payload["step"],
                         self.replay_error)
+            return None
+
+    @staticmethod
+    def _log_root(report: Report, step: int) -> None:
+        root = report.root_cause
+        if root is not None:
+            log.warning("ampdoctor.watch: replay of step %d: %s in %s (%s, %s)", step, root.code,
+                        root.module or "<root>", root.op or "op unknown", root.phase)
+
+    def _replay(self, payload: dict[str, Any], path: str | None) -> None:
+        self.replays += 1
+        report = self._run_replay(payload, path)
+        if report is None:
             return
         if self.replay_report is not None:
             log.warning("ampdoctor.watch: the replay of step %s located no error; replaying step %d instead",
@@ -256,10 +299,7 @@ class AnomalyPolicy:
                                            self.train_step is not None or bool(self.step_method))
         if self.unreproduced is not None:
             log.warning("ampdoctor.watch: %s", self.unreproduced["note"])
-        root = report.root_cause
-        if root is not None:
-            log.warning("ampdoctor.watch: replay of step %d: %s in %s (%s, %s)", payload["step"], root.code,
-                        root.module or "<root>", root.op or "op unknown", root.phase)
+        self._log_root(report, int(payload["step"]))
 
 
-__all__ = ["Anomaly", "AnomalyPolicy", "SKIPPABLE"]
+__all__ = ["LOCATE_ONLY", "Anomaly", "AnomalyPolicy", "SKIPPABLE"]

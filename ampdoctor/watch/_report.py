@@ -11,11 +11,18 @@ from ampdoctor.watch._payload import precision_settings
 from ampdoctor.watch._policy import AnomalyPolicy
 from ampdoctor.watch._record import Coverage
 from ampdoctor.watch._steps import StepTracker
+from ampdoctor.watch._zero_grads import with_zero_replay
 
 
 def precision_of(t: StepTracker) -> dict[str, Any]:
     params = [p for _, p in t.params.trainable] or list(t.model.parameters())
     return precision_settings(t.autocast, params)
+
+
+def backward_dtype(t: StepTracker) -> str | None:
+    """The reduced dtype the steps' backward ran in (autocast's, else the parameters'), None for fp32."""
+    name = precision_of(t)["name"] or ""
+    return "float16" if name.startswith("fp16") else "bfloat16" if name.startswith("bf16") else None
 
 
 def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) -> Report:
@@ -35,13 +42,13 @@ def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) ->
            + _rules.nonfinite_findings(seen, t.params.owners)
            + _rules.coverage_findings(coverage, t.params.owners, ddp=t.ddp_strict)
            + _rules.low_precision_findings(s.lost if t.params.low else None, t.params.owners))
-    findings = _rules.with_unreproduced(_rules.merge_replay(own, _at_run_step(policy)), policy.unreproduced)
+    merged = _rules.merge_replay(own, _at_run_step(policy.replay_report, policy.replay_step))
+    merged = with_zero_replay(merged, _at_run_step(policy.zero_replay, policy.zero_replay_step), s.zero_dtype)
+    findings = _rules.with_unreproduced(merged, policy.unreproduced)
     ranks = policy.ranks.summary() if policy.ranks is not None else None
     if ranks is not None:
         findings = _rules.with_ranks(findings, ranks)
-    tail = recs[-64:]
-    precision = precision_of(t)
-    h = s.health
+    tail, precision, h = recs[-64:], precision_of(t), s.health
     summary: dict[str, Any] = {
         "source": "watch",
         "steps": t.n_steps,
@@ -79,10 +86,9 @@ def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) ->
     return Report(tuple(findings), precision["name"], summary, layers, t.options.source or "watch")
 
 
-def _at_run_step(policy: AnomalyPolicy) -> Report | None:
-    """The replay's report with its findings' steps counted in the run (the replay's step 0 is the run's step
-    ``replay_step``), so that ``finding.step`` says when in training the failure happened."""
-    r, base = policy.replay_report, policy.replay_step
+def _at_run_step(r: Report | None, base: int | None) -> Report | None:
+    """A replay's report with its findings' steps counted in the run (the replay's step 0 is the run's step
+    ``base``), so that ``finding.step`` says when in training the failure happened."""
     if r is None or not base:
         return r
     return dataclasses.replace(r, findings=tuple(dataclasses.replace(f, step=f.step + base)
