@@ -9,7 +9,8 @@ as Python would), under two global hooks with removable handles:
 
 * ``torch.nn.modules.module.register_module_forward_pre_hook``: the first call of a module holding trainable
   parameters that an existing optimizer updates attaches :func:`ampdoctor.watch` to that module (the outermost
-  module called) and those optimizers, with the script's GradScaler when exactly one enabled scaler exists.
+  module called) and those optimizers, with the script's GradScaler; with several enabled scalers (a GAN), each
+  watch takes the one it sees stepping its optimizer (:meth:`~ampdoctor.watch.Watch.scaler_among`).
   Each outermost module is looked at once; the hook is removed once a watch is attached (or after 16 looks).
 * ``torch.optim.optimizer.register_optimizer_step_pre_hook``: an optimizer created later (or whose model was
   never called as a module) is attached at its first step; its model is the largest module that owns its
@@ -62,7 +63,7 @@ class _Runner:
         self._tries = 0
         self._scanned: set[int] = set()
         self._extra_handles: list[Any] = []
-        #: why the watches have no GradScaler (several exist), for the report
+        #: how the watches chose among several GradScalers, for the report
         self.scaler_note: str | None = None
 
     def __enter__(self) -> _Runner:
@@ -144,7 +145,7 @@ class _Runner:
             seen[id(o)] = o
         return list(seen.values())
 
-    def _scaler(self) -> torch.amp.GradScaler | None:
+    def _scaler(self) -> list[torch.amp.GradScaler]:
         scalers = [s for s in self._objects(torch.amp.GradScaler) if s.is_enabled()]
         if len(scalers) > 1:        # unreachable ones from earlier code may linger in reference cycles
             gc.collect()
@@ -154,17 +155,19 @@ class _Runner:
             own = [s for s in scalers if any(v is s for v in main.values())]
             scalers = own if own else scalers
         if len(scalers) > 1 and self.scaler_note is None:
-            self.scaler_note = (f"{len(scalers)} enabled GradScalers exist (one per optimizer, as in a GAN) and "
-                                "nothing tells which one steps which optimizer, so the optimizers are watched "
-                                "without scaler: steps a GradScaler skips (inf/NaN gradients, a loss-scale collapse) "
-                                "are not seen. Watch each model in the script instead: with ampdoctor.watch(model, "
-                                "optimizer, its_scaler) as w:")
-            log.warning("ampdoctor run: %s", self.scaler_note)
-        return scalers[0] if len(scalers) == 1 else None
+            self.scaler_note = (f"{len(scalers)} enabled GradScalers exist (one per optimizer, as in a GAN): each "
+                                "optimizer's watch takes the scaler whose scaler.step(optimizer) it sees first, and "
+                                "sees that scaler's skipped steps and scale from then on (a scaler that never steps "
+                                "an optimizer is bound to none)")
+            log.info("ampdoctor run: %s", self.scaler_note)
+        return scalers
 
     def _attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Watch:
         self.watched.add(id(optimizer))
-        w = watch(model, optimizer, self._scaler(), source=self.source, **self.options)
+        scalers = self._scaler()
+        w = watch(model, optimizer, scalers[0] if len(scalers) == 1 else None, source=self.source, **self.options)
+        if len(scalers) > 1:
+            w.scaler_among(scalers)
         w.__enter__()
         w.record_loss_code()        # the script's loss code: the replay of a failing step runs it too
         self.watches.append(w)

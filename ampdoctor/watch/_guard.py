@@ -158,6 +158,16 @@ class Watch:
         if self._health.working:
             self._tracker.note_call(tuple(args), dict(kwargs), rng)
 
+    def scaler_among(self, scalers: list[torch.amp.GradScaler]) -> None:
+        """The optimizer is stepped by one of ``scalers`` (enabled GradScalers; a script with one per optimizer, as
+        in a GAN): the watch takes the one whose ``scaler.step(optimizer)`` it sees first, so the steps it skips
+        are seen from the first one on. Call before entering the watch, which must have no scaler of its own."""
+        if self._entered or self.scaler is not None:
+            raise RuntimeError("scaler_among() goes before `with`, on a watch built without a scaler")
+        enabled = [s for s in scalers if isinstance(s, torch.amp.GradScaler) and s.is_enabled()]
+        if enabled:
+            self._tracker.scaler = GradScalerView(enabled[0], self.optimizer, tuple(enabled[1:]))
+
     def replay_with(self, train_step: Any, *, method: str = "") -> None:
         """Replay an anomalous step with ``train_step(model, batch, optimizer=..., scaler=...)`` (as
         :func:`ampdoctor.diagnose` calls it: forward, backward and update on the replay's copies) instead of calling

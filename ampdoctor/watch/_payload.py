@@ -87,9 +87,9 @@ def build_payload(*, step: int, kind: str, message: str, model: nn.Module, optim
     else:
         batch = None
     scaler_state = None
-    if scaler is not None:
+    if scaler is not None and scaler.scaler is not None:
         scaler_state = scaler.state_dict()
-        if scale is not None:
+        if scaler_state is not None and scale is not None:
             scaler_state["scale"] = scale
     local = local_module(model)
     names = {id(p): n for n, p in local.named_parameters()}
@@ -109,7 +109,7 @@ def build_payload(*, step: int, kind: str, message: str, model: nn.Module, optim
         "optimizer_params": None if optimizer is None else [[names.get(id(p), "") for p in g["params"]]
                                                             for g in optimizer.param_groups],
         "scaler_state": scaler_state,
-        "scaler_device": None if scaler is None else scaler.device,
+        "scaler_device": None if scaler_state is None or scaler is None else scaler.device,
         "rng": inputs.rng or rng_state(device_type),
         "precision": precision,
         "source": source,

@@ -98,15 +98,16 @@ def test_healthy_twin_exits_clean_and_trains_bitwise_as_without_ampdoctor(tmp_pa
 
 
 GAN = """
-    import torch, torch.nn as nn
+    import sys, torch, torch.nn as nn
     torch.manual_seed(0)
+    bad, out = float(sys.argv[1]), sys.argv[2]
     G = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
     D = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
     oG, oD = torch.optim.Adam(G.parameters(), 1e-3), torch.optim.Adam(D.parameters(), 1e-3)
     sG, sD = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
     bce = nn.BCEWithLogitsLoss()
-    for step in range(3):
-        real, z = torch.randn(8, 8), torch.randn(8, 4)
+    for step in range(8):
+        real, z = torch.randn(8, 8) * (bad if step >= 3 else 1.0), torch.randn(8, 4)
         oD.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
             fake = G(z)
@@ -116,16 +117,52 @@ GAN = """
         with torch.autocast("cpu", dtype=torch.float16):
             loss_g = bce(D(fake).float(), torch.ones(8, 1))
         sG.scale(loss_g).backward(); sG.step(oG); sG.update()
+    torch.save({"G": G.state_dict(), "D": D.state_dict(), "sD": sD.get_scale(), "sG": sG.get_scale()}, out)
 """
 
 
-def test_two_models_two_scalers_are_both_watched_and_the_blind_spot_is_said(tmp_path) -> None:
-    """A GAN script: the discriminator is called after the generator, so the runner keeps looking at forwards until
-    every optimizer is watched (it stopped at the first). With two GradScalers nothing tells which one steps which
-    optimizer: the report says that skipped steps are not seen and what to do, instead of a silent verdict."""
-    path = tmp_path / "gan.py"
+def _gan(tmp_path, bad: str, watched: bool):  # type: ignore[no-untyped-def]
+    path, out = tmp_path / "gan.py", tmp_path / f"gan-{bad}-{watched}.pt"
     path.write_text(textwrap.dedent(GAN))
-    r = run_script(["python", str(path)])
+    r = None
+    if watched:
+        r = run_script(["python", str(path), bad, str(out)])
+    else:
+        old = sys.argv[:]
+        try:
+            sys.argv = [str(path), bad, str(out)]
+            runpy.run_path(str(path), run_name="__main__")
+        finally:
+            sys.argv = old
+    return r, torch.load(out)
+
+
+def _same(a, b) -> bool:  # type: ignore[no-untyped-def]
+    return all(torch.equal(a[m][k], b[m][k]) for m in ("G", "D") for k in a[m]) and a["sD"] == b["sD"]
+
+
+def test_two_scalers_each_watch_sees_its_own_scalers_skipped_steps(tmp_path) -> None:
+    """A GAN script with one GradScaler per optimizer; from step 3 the real batch is unnormalised (x 1e5), so the
+    discriminator's fp16 forward overflows and its scaler skips every step from then on, while the generator's
+    steps go through. The runner keeps looking at forwards until every optimizer is watched, and each watch takes
+    the scaler it sees stepping its optimizer: the discriminator's watch reports its skipped steps and falling
+    scale, the generator's none. Training is bitwise the run without ampdoctor."""
+    r, state = _gan(tmp_path, "1e5", True)
+    _, plain = _gan(tmp_path, "1e5", False)
+    assert _same(state, plain) and state["sD"] < 65536.0 == state["sG"]
     assert r.summary["watches"] == 2 and r.summary["script"] == {"status": "completed"}
-    assert [s["steps"] for s in r.summary["per_watch"]] == [3, 3]
-    assert "2 enabled GradScalers" in r.summary["scaler_note"] and "ampdoctor.watch(model" in r.summary["scaler_note"]
+    g, d = r.summary["per_watch"]            # G is called first
+    assert [g["steps"], d["steps"]] == [8, 8]
+    assert g["skipped_steps"] == 0 and d["skipped_steps"] == 5, (g["skipped_steps"], d["skipped_steps"])
+    assert d["loss_scales"][-1] < d["loss_scales"][0] and set(g["loss_scales"]) == {65536.0}
+    assert "2 enabled GradScalers" in r.summary["scaler_note"] and "not seen" not in r.summary["scaler_note"]
+    collapse = [f for f in r.findings if f.code == "loss-scale-collapse"]
+    assert collapse and all(f.severity == "error" for f in collapse)
+
+
+def test_two_scalers_healthy_twin_is_clean_and_bitwise(tmp_path) -> None:
+    r, state = _gan(tmp_path, "1.0", True)
+    _, plain = _gan(tmp_path, "1.0", False)
+    assert _same(state, plain)
+    assert [s["skipped_steps"] for s in r.summary["per_watch"]] == [0, 0]
+    assert not any(f.severity == "error" for f in r.findings), r.findings
