@@ -1,4 +1,5 @@
-"""Replaying a step that lives in the model's ``training_step(batch, batch_idx)`` method (Lightning's protocol).
+"""Replaying a step that lives in the model's ``training_step(batch, batch_idx)`` method (Lightning's protocol), or
+that called the root module several times (:class:`CallsReplay`).
 
 A ``LightningModule`` often has no ``forward`` for its batch: the step is ``training_step``. A watch told so
 (``Watch.replay_with(..., method="training_step")``) records ``step_method`` in its reproducers, and
@@ -50,4 +51,35 @@ def training_step_replay(model: Any, batch: Any, optimizer: Any = None, scaler: 
     return loss
 
 
-__all__ = ["STEP_METHODS", "training_step_replay"]
+class CallsReplay:
+    """The default replay of a step whose root module was called several times (a GAN's discriminator on the real
+    and the fake batch): ``batch`` is the recorded calls (``[{"args": [...], "kwargs": {...}}, ...]``), run in
+    their order so that a failure in any call is traced, not only in the last. When every call returns a loss
+    (a scalar, or ``.loss``) their sum is backpropagated and the update made, as :func:`ampdoctor.diagnose` runs a
+    model's own loss; otherwise the calls run forward only (``forward_only``: the loss was computed outside)."""
+
+    def __init__(self) -> None:
+        self.forward_only = False
+
+    def __call__(self, model: Any, batch: Any, optimizer: Any = None, scaler: Any = None) -> Any:
+        from ampdoctor.precision import default_loss
+
+        found = [default_loss(model(*c["args"], **c["kwargs"])) for c in batch]
+        losses = [x for x in found if x is not None and x.requires_grad]
+        if not losses or len(losses) < len(found):
+            self.forward_only = True
+            return None
+        loss = torch.stack([x.float() for x in losses]).sum()
+        if optimizer is not None:
+            optimizer.zero_grad()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if optimizer is not None:
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+        return loss
+
+
+__all__ = ["STEP_METHODS", "CallsReplay", "training_step_replay"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from torch import nn
 
 from ampdoctor.trace import HALF_DTYPES
 from ampdoctor.watch import _reproducer
+from ampdoctor.watch._record import StepRecord
 from ampdoctor.watch._scaler import GradScalerView
 
 _LOW_DTYPES = HALF_DTYPES
@@ -29,6 +30,39 @@ class StepInputs:
     has_batch: bool = False
     call: tuple[tuple[Any, ...], dict[str, Any]] | None = None
     rng: dict[str, Any] | None = None
+    #: every root-module call of the step, in order (a GAN's discriminator on real and fake batches), and the RNG
+    #: state before the first; empty when more than ``MAX_STEP_CALLS`` were made (the replay then runs the last)
+    calls: tuple[tuple[tuple[Any, ...], dict[str, Any]], ...] = ()
+    first_rng: dict[str, Any] | None = None
+
+
+#: root-module calls of one step a reproducer keeps (all of them are replayed when the step has several)
+MAX_STEP_CALLS = 8
+
+
+@dataclass
+class Iteration:
+    """The open step: what the hooks saw since the last step closed."""
+
+    record: StepRecord
+    forward_seen: bool = False
+    seen: set[int] = field(default_factory=set)
+    call: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+    batch: Any = None
+    has_batch: bool = False
+    rng: dict[str, Any] | None = None
+    loss: torch.Tensor | None = None
+
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
+    first_rng: dict[str, Any] | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.forward_seen or bool(self.seen)
+
+    def inputs(self) -> StepInputs:
+        calls = tuple(self.calls) if len(self.calls) <= MAX_STEP_CALLS else ()
+        return StepInputs(self.batch, self.has_batch, self.call, self.rng, calls, self.first_rng)
 
 
 def rng_state(device_type: str) -> dict[str, Any]:
@@ -94,6 +128,10 @@ def build_payload(*, step: int, kind: str, message: str, model: nn.Module, optim
     local = local_module(model)
     names = {id(p): n for n, p in local.named_parameters()}
     call = inputs.call
+    several = not inputs.has_batch and len(inputs.calls) > 1
+    calls = ([{"args": _reproducer.to_saveable(list(a), dropped, "args"),
+               "kwargs": _reproducer.to_saveable(k, dropped, "kwargs")} for a, k in inputs.calls] if several else None)
+    rng = (inputs.first_rng if several else None) or inputs.rng or rng_state(device_type)
     return {
         "format": _reproducer.FORMAT, "version": _reproducer.VERSION,
         "step": step, "anomaly": kind, "message": message,
@@ -110,7 +148,8 @@ def build_payload(*, step: int, kind: str, message: str, model: nn.Module, optim
                                                             for g in optimizer.param_groups],
         "scaler_state": scaler_state,
         "scaler_device": None if scaler_state is None or scaler is None else scaler.device,
-        "rng": inputs.rng or rng_state(device_type),
+        "calls": calls,
+        "rng": rng,
         "precision": precision,
         "source": source,
         "step_method": step_method,
@@ -136,5 +175,5 @@ def copy_without_hooks(model: nn.Module, keep: object, handles: Sequence[tuple[s
     return clone
 
 
-__all__ = ["StepInputs", "build_payload", "copy_without_hooks", "hf_config", "local_module", "precision_settings",
-           "rng_state"]
+__all__ = ["MAX_STEP_CALLS", "Iteration", "StepInputs", "build_payload", "copy_without_hooks", "hf_config",
+           "local_module", "precision_settings", "rng_state"]

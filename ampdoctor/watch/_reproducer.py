@@ -19,6 +19,11 @@ A reproducer is a ``dict`` holding only tensors, dicts, lists, tuples, strings, 
     ``model(*batch)``, else ``model(batch)``): the ``batch=`` given to ``Watch.step`` or the inputs of the last
     forward of the root module; ``call`` keeps that forward's ``args``/``kwargs``. Objects that are not tensors,
     containers or plain values are replaced by ``None`` and listed in ``dropped``.
+``calls``
+    When the root module was called several times in the step (a GAN's discriminator on the real and the fake
+    batch) and no ``batch=`` was given: every call's ``{"args", "kwargs"}`` in order (``None`` otherwise). A replay
+    without ``loss_fn``/``train_step`` runs them all (``_method_step.CallsReplay``) from the RNG state before the
+    first, so a failure in any call is found; ``batch``/``call`` stay the last call's.
 ``optimizer_state``, ``optimizer_class``, ``optimizer_params``
     ``optimizer.state_dict()`` (CPU copies), the optimizer's qualified class name and the parameter names of each
     param group (to rebuild the groups on a fresh model).
@@ -56,7 +61,7 @@ from torch import nn
 from ampdoctor.errors import ReproducerError
 from ampdoctor.findings import Finding, Report
 from ampdoctor.trace import frame_boundary
-from ampdoctor.watch._method_step import STEP_METHODS, training_step_replay
+from ampdoctor.watch._method_step import STEP_METHODS, CallsReplay, training_step_replay
 from ampdoctor.watch._rules import not_reproduced, with_unreproduced
 
 log = logging.getLogger(__name__)
@@ -367,12 +372,17 @@ def _replay(payload: dict[str, Any], model_factory: Callable[[], nn.Module] | No
     train_step = train_step if train_step is not None else scenario.get("train_step")
     if train_step is None and payload.get("step_method") == "training_step":
         train_step = training_step_replay      # the model's own training_step (never a name from the file)
+    calls = payload.get("calls")
+    if train_step is None and loss_fn is None and calls:     # several calls of the root module: all of them
+        batch, train_step = _to_device(calls, device), CallsReplay()
     from ampdoctor.diagnose import diagnose
 
     _set_step_rng(payload.get("rng"))
     report = diagnose(model, batch, precision=precision, loss_fn=loss_fn, optimizer=optimizer, scaler=scaler,
                       train_step=train_step)
     summary = dict(report.summary)
+    if isinstance(train_step, CallsReplay):
+        summary.update(replayed_calls=len(calls or ()), forward_only=train_step.forward_only)
     summary["replay"] = {"step": payload["step"], "anomaly": payload["anomaly"], "reproducer": origin,
                          "optimizer": optimizer is not None, "scaler": scaler is not None}
     return Report(report.findings, report.precision, summary, report.layers, origin or report.source)

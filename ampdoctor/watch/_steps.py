@@ -11,8 +11,8 @@ How the guard learns about a step, without replacing any method of the user's ob
   the next event the guard sees (the root module's next forward, the next optimizer hook, ``w.step()``,
   ``w.report()``, exit), an update in which our optimizer reached ``STEPPED`` while no optimizer step happened
   means: skipped. GradScaler's own ``found_inf`` decides; no reduction and no read for a skipped step.
-* A forward pre-hook on the root module keeps a *reference* (no copy) to the last inputs and notes the RNG state
-  and the autocast settings. During the first ``coverage_steps`` steps, post-accumulate-grad hooks on the
+* A forward pre-hook on the root module keeps a *reference* (no copy) to the step's inputs (each call's) and notes
+  the RNG state and the autocast settings. During the first ``coverage_steps`` steps, post-accumulate-grad hooks on the
   trainable parameters record which parameters receive a gradient, and forward pre-hooks on parameter-owning
   modules note autocast entered inside the model's ``forward`` (accelerate). Those hooks go once coverage is
   measured.
@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,7 +46,7 @@ from ampdoctor.watch._detectors import (
 from ampdoctor.watch._hooks import Health, Hook, guarded
 from ampdoctor.watch._options import AnomalyError, WatchOptions
 from ampdoctor.watch._params import Parameters, local_grad
-from ampdoctor.watch._payload import StepInputs, rng_state
+from ampdoctor.watch._payload import MAX_STEP_CALLS, Iteration, rng_state
 from ampdoctor.watch._policy import Anomaly, AnomalyPolicy
 from ampdoctor.watch._prestate import PreUpdate, take
 from ampdoctor.watch._probe import GradProbe
@@ -70,27 +69,6 @@ from ampdoctor.watch._sinks import Sinks
 log = logging.getLogger("ampdoctor.watch")
 #: step records kept for the report (a window: memory stays flat however long training runs)
 MAX_RECORDS = 4096
-
-@dataclass
-class Iteration:
-    """The open step: what the hooks saw since the last step closed."""
-
-    record: StepRecord
-    forward_seen: bool = False
-    seen: set[int] = field(default_factory=set)
-    call: tuple[tuple[Any, ...], dict[str, Any]] | None = None
-    batch: Any = None
-    has_batch: bool = False
-    rng: dict[str, Any] | None = None
-    loss: torch.Tensor | None = None
-
-    @property
-    def active(self) -> bool:
-        return self.forward_seen or bool(self.seen)
-
-    def inputs(self) -> StepInputs:
-        return StepInputs(self.batch, self.has_batch, self.call, self.rng)
-
 
 class StepTracker:
     """The hooks and the step life cycle: opens and closes step records, queues device values for the step's
@@ -227,6 +205,9 @@ class StepTracker:
         it.forward_seen = True
         it.call = (args, kwargs)
         it.rng = rng if rng is not None else rng_state(self.device_type)
+        if len(it.calls) <= MAX_STEP_CALLS:     # one more than kept: too many, the replay runs the last call
+            it.calls.append(it.call)
+        it.first_rng = it.first_rng or it.rng
         self.note_autocast()
 
     @guarded
