@@ -197,7 +197,10 @@ def validate_generation(model: Any, input_ids: Any, precision: str | None, max_n
         raise ScenarioError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if precision not in GENERATION_PRECISIONS:
         allowed = ", ".join(repr(p) for p in GENERATION_PRECISIONS)
-        raise ScenarioError(f"invalid precision {precision!r} for a generation, expected one of {allowed}")
+        hint = ("; fp8 generation is not emulated (the fp8 scales would carry over from one decode step to the "
+                "next), diagnose one forward of the prompt instead: ampdoctor.diagnose(model, {'input_ids': ids}, "
+                f"precision={precision!r})" if isinstance(precision, str) and precision.startswith("fp8") else "")
+        raise ScenarioError(f"invalid precision {precision!r} for a generation, expected one of {allowed}{hint}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point() or input_ids.dim() != 2:
         raise ScenarioError("input_ids must be an integer tensor of shape (1, prompt_len), e.g. "
                             "tokenizer(text, return_tensors='pt')['input_ids']")

@@ -9,10 +9,12 @@ twin (no position offset) stays below 4.5e4 at every position and must be clean.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import ampdoctor
+from ampdoctor.precision import ScenarioError
 
 
 def _gpt2(late_growth: bool) -> GPT2LMHeadModel:
@@ -51,3 +53,10 @@ def test_generation_names_the_decode_step_position_and_residual_add() -> None:
 def test_healthy_twin_generates_clean() -> None:
     report = ampdoctor.diagnose_generate(_gpt2(False), _prompt(), precision="fp16", max_new_tokens=8)
     assert report.ok and not [f for f in report.findings if f.severity != "info"]
+
+
+def test_fp8_generation_is_refused_with_what_to_run_instead() -> None:
+    model = _gpt2(False)
+    with pytest.raises(ScenarioError, match=r"fp8 generation is not emulated.*ampdoctor\.diagnose\(model"):
+        ampdoctor.diagnose_generate(model, _prompt(), precision="fp8", max_new_tokens=2)
+    assert ampdoctor.diagnose(model, {"input_ids": _prompt()}, precision="fp8").precision == "fp8"  # what it says
