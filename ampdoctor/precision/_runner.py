@@ -189,11 +189,15 @@ class _TraceObserver(Observer):
     def context(self, loop: StepLoop) -> Any:
         return self.tr
 
+    def own_work(self, loop: StepLoop) -> Any:
+        return self.tr.paused()  # the loop's loss and scale reads: not the step's ops
+
     def step_start(self, loop: StepLoop, step: int) -> None:
         self.tr.set_step(step)
         scaler = loop.prep.scaler
         if scaler is not None and scaler.is_enabled():
-            self.result.step_scales.append(float(scaler.get_scale()))  # one host sync per step, with the loss's
+            with self.tr.paused():  # one host sync per step, with the loss's; ours, not the step's
+                self.result.step_scales.append(float(scaler.get_scale()))
 
     def _release_heap(self) -> None:
         """Before the (first) ``optimizer.step`` of each step, when the backward's activations are freed and the

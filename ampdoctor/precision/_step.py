@@ -151,6 +151,11 @@ class Observer:
     def step_end(self, loop: StepLoop, step: int, loss: torch.Tensor | None) -> None:
         """After the step, before its loss is read back."""
 
+    def own_work(self, loop: StepLoop) -> Any:
+        """Entered around the loop's own tensor work between steps (reading the loss and the scale back): not the
+        step's ops (the trace pauses, so they are not recorded)."""
+        return contextlib.nullcontext()
+
     def failed(self, loop: StepLoop, step: int, exc: BaseException) -> None:
         """The step raised ``exc``; the loop records it and stops. Raise to turn it into another error."""
 
@@ -340,14 +345,18 @@ class StepLoop:
         return loss
 
     def _record(self, loss: torch.Tensor | None) -> None:
-        if loss is not None:
-            with torch.no_grad():
-                self.result.losses.append(float(loss.detach().float().item()))
-        else:
-            self.result.losses.append(None)
-        scaler = self.prep.scaler
-        if scaler is not None and scaler.is_enabled():
-            self.result.scales.append(float(scaler.get_scale()))
+        """The step's loss (and scale) read back: the loop's work, not the step's (``Observer.own_work``)."""
+        with contextlib.ExitStack() as stack:
+            for ob in self.observers:
+                stack.enter_context(ob.own_work(self))
+            if loss is not None:
+                with torch.no_grad():
+                    self.result.losses.append(float(loss.detach().float().item()))
+            else:
+                self.result.losses.append(None)
+            scaler = self.prep.scaler
+            if scaler is not None and scaler.is_enabled():
+                self.result.scales.append(float(scaler.get_scale()))
 
     def _failed(self, step: int, e: BaseException) -> None:
         res = self.result

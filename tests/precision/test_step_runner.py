@@ -266,11 +266,43 @@ def test_the_runners_own_coverage_reads_are_not_recorded() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     x = torch.randn(4, 8)
     bare = run(make_spec(model, (x,), loss_fn=lambda out, batch: out.sum()), reference=True)
-    # (the loss read after the step, loss.detach().item(), is the one op of ours left in the records)
-    assert not [r.op for r in bare.trace.records if r.phase == "optimizer" and r.op != "aten.detach.default"]
+    assert not [r.op for r in bare.trace.records if r.phase == "optimizer"]
     assert bare.coverage and all(ps.grad_zero is not None for ps in bare.coverage[0])
     opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
     stepped = run(make_spec(model, (x,), optimizer=opt, loss_fn=lambda out, batch: out.sum()), reference=True)
     ops = {r.op for r in stepped.trace.records if r.phase == "optimizer"}
     assert "aten.div.Tensor" not in ops and not any(r.dtype == "float64" for r in stepped.trace.records)
     assert "aten.add_.Tensor" in ops  # SGD's own update is still recorded
+
+
+@pytest.mark.parametrize("precision,scaler", [("fp16-amp", True), ("fp16", False), ("fp32", False)])
+def test_the_loops_loss_and_scale_reads_are_not_recorded(precision: str, scaler: bool) -> None:
+    """The loop reads each step's loss (``loss.detach().float().item()``: a ``detach``, in 16 bits a ``_to_copy``)
+    and the GradScaler's scale back after the step: its own work, not the step's. A traced run records exactly the
+    step's ops: a forward-only step (no optimizer, no backward) has forward records only, none of them a read of the
+    loss after it was computed, and every step's last record is its own last op."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    fwd = run(make_spec(model, (x,), precision=None if precision == "fp32" else precision,
+                        loss_fn=lambda out, batch: out.float().sum().detach(), steps=2), reference=precision == "fp32")
+    assert fwd.forward_only and len(fwd.losses) == 2 and all(v is not None for v in fwd.losses)
+    assert {r.phase for r in fwd.trace.records} == {"forward"}
+    for step in (0, 1):  # the loss_fn's own detach is the step's last op; no second one (the loop's) after it
+        ops = [r.op for r in fwd.trace.records if r.step == step and r.kind == "op"]
+        last_sum = len(ops) - 1 - ops[::-1].index("aten.sum.default")
+        assert ops[last_sum + 1:] == ["aten.detach.default"], ops
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler else None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
+    spec = make_spec(model, (x,), precision=None if precision == "fp32" else precision, optimizer=opt, scaler=sc,
+                     loss_fn=lambda out, batch: out.float().sum(), steps=2)
+    with saved_rng():
+        traced = run(spec, reference=precision == "fp32")
+    with saved_rng():
+        plain = run_steps(spec, reference=precision == "fp32")
+    assert traced.losses == plain.losses and traced.scales == plain.scales
+    for step in (0, 1):
+        last = [r for r in traced.trace.records if r.step == step][-1]
+        assert last.phase == "optimizer" and last.op != "aten.detach.default", last
+        assert not [r for r in traced.trace.records if r.step == step and r.op == "aten.detach.default"
+                    and r.phase == "optimizer"]
