@@ -306,3 +306,33 @@ def test_the_loops_loss_and_scale_reads_are_not_recorded(precision: str, scaler:
         assert last.phase == "optimizer" and last.op != "aten.detach.default", last
         assert not [r for r in traced.trace.records if r.step == step and r.op == "aten.detach.default"
                     and r.phase == "optimizer"]
+
+
+def test_a_diagnosis_leaves_the_references_freed_heap_to_its_target(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between the reference and the target the heap is not trimmed: the target allocates the same shapes again
+    (activations, gradients) and reuses the freed pages instead of page-faulting them anew. Each run still trims
+    before each step's optimizer, and the target once more after it ends (the analysis and the caller start from
+    what is left). A trim moves no value: the report is the one a diagnosis with no trim at all gives."""
+    import sys
+
+    from ampdoctor.precision import _runner
+
+    spec = _spec("fp16-amp", scaler=True, steps=2)
+    kw = {"precision": "fp16-amp", "optimizer": spec.optimizer, "scaler": spec.scaler, "loss_fn": spec.loss_fn,
+          "steps": 2}
+    trimmed = ampdoctor.diagnose(spec.model, spec.batch, **kw)
+    calls: list[str] = []
+    real_run = _runner.run
+
+    def run_traced(*a: Any, **k: Any) -> Any:
+        calls.append("reference" if k.get("reference") else "target")
+        return real_run(*a, **k)
+
+    monkeypatch.setattr(_runner, "release_free_heap", lambda: calls.append("trim") or True)
+    monkeypatch.setattr(sys.modules["ampdoctor.diagnose"], "run", run_traced)
+    report = ampdoctor.diagnose(spec.model, spec.batch, **kw)
+    assert calls == ["reference", "trim", "trim", "target", "trim", "trim", "trim"], calls
+    assert report.summary["loss_target"] == trimmed.summary["loss_target"]
+    assert report.summary["loss_reference"] == trimmed.summary["loss_reference"]
+    assert [(f.code, f.module, f.op, f.evidence) for f in report.findings] == [
+        (f.code, f.module, f.op, f.evidence) for f in trimmed.findings]
