@@ -41,11 +41,17 @@ class Pins:
         self._refs: dict[int, StorageWeakRef] = {}
 
     def key(self, t: torch.Tensor) -> Key | None:
-        """:func:`tensor_key`, its storage pinned: use it for every key that is stored."""
-        key = tensor_key(t)
-        if key is not None and key[5] not in self._refs:
+        """:func:`tensor_key`, its storage pinned: use it for every key that is stored.
+
+        (:func:`tensor_key` inlined: this runs for every floating input and output of every traced op.)"""
+        try:
+            st = t.untyped_storage()
+            key = (st.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, st._cdata)
+        except Exception:  # noqa: BLE001 - tensors without storage (sparse, nested, wrapper subclasses)
+            return None
+        if key[5] not in self._refs:
             try:
-                self._refs[key[5]] = StorageWeakRef(t.untyped_storage())
+                self._refs[key[5]] = StorageWeakRef(st)
             except Exception:  # noqa: BLE001 - a storage without weak references gets no lineage
                 return None
         return key

@@ -384,9 +384,16 @@ class RecordingMode(TorchDispatchMode):
         Headroom reads only forward and backward op records, so a headroom trace keeps the statistics a plain one
         has (alias rows shared, parameters and optimizer outputs lite; only an op aliasing a lite row gets its own
         full row, which headroom reads): one run serves both ``check``'s headroom and its diagnosis."""
-        row = zeros_lite_row(t) if zeros else None  # the output of an all-zero op: known unread
+        row: Any = zeros_lite_row(t) if zeros else None  # the output of an all-zero op: known unread
         if row is None:
-            row = _safe(lite_stats, t, self.scratch)
+            try:  # (:func:`_safe` inlined: once per optimizer output)
+                if torch._C._len_torch_dispatch_stack():
+                    with _disable_current_modes():
+                        row = lite_stats(t, self.scratch)
+                else:
+                    row = lite_stats(t, self.scratch)
+            except Exception:  # noqa: BLE001 - observation must not raise into user code
+                row = torch.full((len(FULL_FIELDS),), math.nan, dtype=torch.float64, device=t.device)
         if not self.headroom:
             return row
         pad = [0.0] * len(HEADROOM_FORMATS)
@@ -394,8 +401,14 @@ class RecordingMode(TorchDispatchMode):
 
     def _full_row(self, t: torch.Tensor, bounded: str | None) -> Any:
         """Full statistics of ``t`` (+ flush counts in headroom mode): a device row or a host list."""
-        width = len(FULL_FIELDS) + (len(HEADROOM_FORMATS) if self.headroom else 0)
-        return _safe(full_stats, t, bounded, self.scratch, self.headroom, width=width)
+        try:  # (:func:`_safe` inlined: once per forward and backward output)
+            if torch._C._len_torch_dispatch_stack():
+                with _disable_current_modes():
+                    return full_stats(t, bounded, self.scratch, self.headroom)
+            return full_stats(t, bounded, self.scratch, self.headroom)
+        except Exception:  # noqa: BLE001 - observation must not raise into user code
+            width = len(FULL_FIELDS) + (len(HEADROOM_FORMATS) if self.headroom else 0)
+            return torch.full((width,), math.nan, dtype=torch.float64, device=t.device)
 
     # -- read back -----------------------------------------------------------------------------------------
     def read(self) -> None:

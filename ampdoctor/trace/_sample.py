@@ -159,8 +159,12 @@ class Sketches:
         it as the diagnosis's reference)."""
         if step != 0 or phase not in ("forward", "backward"):
             return
-        try:
-            v = self.sampler.take(t)
+        try:  # (:meth:`Sampler.take` inlined for a known plan: once per traced output)
+            n = t.numel()
+            if n == 0:
+                return
+            pos = self.sampler._positions.get((n, t.device))
+            v = torch.take(t, pos) if pos is not None else self.sampler.take(t)
             if v is not None:
                 self.samples[row] = v
         except Exception:  # noqa: BLE001 - observation must not raise into user code (sparse, subclasses)

@@ -8,7 +8,9 @@ candidates, and on chunked (large) tensors.
 
 from __future__ import annotations
 
+import copy
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -114,3 +116,55 @@ def test_fresh_optimizer_state_rows_are_the_zero_rows(monkeypatch: pytest.Monkey
     for r in recs:
         want = _stats.lite_stats(torch.zeros(r.shape, dtype=r.dtype), Scratch())
         assert list(r.stats.values()) == want, r
+
+
+def test_a_statistic_that_raises_marks_the_record_unknown_and_the_step_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recording mode's full and lite rows catch a failing statistic (an unsupported tensor): that record's
+    statistics read NaN, every other record and the step's numbers are unchanged."""
+    from torch import nn
+
+    import ampdoctor
+    from ampdoctor.trace import _mode
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
+    x = torch.randn(3, 4)
+
+    def step(broken: bool) -> tuple[Any, list[torch.Tensor]]:
+        m = copy.deepcopy(model)
+        o = torch.optim.SGD(m.parameters(), lr=0.1, foreach=False)
+        o.load_state_dict(opt.state_dict())
+        with monkeypatch.context() as mp:
+            if broken:
+                real_full, real_lite = _mode.full_stats, _mode.lite_stats
+
+                def full(t: torch.Tensor, *a: Any) -> Any:
+                    if t.shape == (3, 1):
+                        raise RuntimeError("unsupported")
+                    return real_full(t, *a)
+
+                def lite(t: torch.Tensor, *a: Any) -> Any:
+                    if t.shape == (1,):
+                        raise RuntimeError("unsupported")
+                    return real_lite(t, *a)
+                mp.setattr(_mode, "full_stats", full)
+                mp.setattr(_mode, "lite_stats", lite)
+            with ampdoctor.trace(m, o, full=True) as tr:
+                m(x).sum().backward()
+                o.step()
+        return tr.result(), [p.detach().clone() for p in m.parameters()]
+
+    good, good_params = step(False)
+    bad, bad_params = step(True)
+    assert all(torch.equal(a, b) for a, b in zip(good_params, bad_params))
+    assert len(good.records) == len(bad.records)
+    broken = [r for r in bad.records if (r.phase != "optimizer" and r.kind == "op" and tuple(r.shape) == (3, 1))
+              or ((r.phase == "optimizer" or r.kind == "param") and tuple(r.shape) == (1,))]  # (lite rows)
+    assert broken and any(r.phase == "optimizer" for r in broken) and any(r.phase != "optimizer" for r in broken)
+    rows = {r.row for r in broken}  # a broken row reads NaN, also where an alias (``t``) shares it
+    for g, b in zip(good.records, bad.records):
+        if b.row in rows:
+            assert all(math.isnan(v) for v in b.stats.values()), b
+        else:
+            assert repr(g.stats) == repr(b.stats), (g, b)
