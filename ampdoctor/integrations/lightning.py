@@ -66,7 +66,8 @@ class AmpDoctorCallback(Callback):
         scaler = scaler if isinstance(scaler, torch.amp.GradScaler) else None
         if len(optimizers) > 1:     # training_step steps them all: each is watched over the submodule it updates
             log.info("ampdoctor: %d optimizers; one watch each, over the submodule it updates", len(optimizers))
-            self.watches = [watch(owner_module(pl_module, o), o, scaler, **self.watch_options) for o in optimizers]
+            options = {"loss_code": True, **self.watch_options}   # the loss code in training_step, for replays
+            self.watches = [watch(owner_module(pl_module, o), o, scaler, **options) for o in optimizers]
         else:
             self.watches = [watch(pl_module, optimizers[0] if optimizers else None, scaler, **self.watch_options)]
         for w in self.watches:

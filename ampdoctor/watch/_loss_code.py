@@ -43,6 +43,8 @@ log = logging.getLogger("ampdoctor.watch")
 
 #: a loss computed in more torch calls than this is not recorded (the recorder stops)
 MAX_CALLS = 512
+#: a loss reading more forwards of the root module than this is not recorded
+MAX_FORWARDS = 8
 
 _BACKWARDS = (torch.Tensor.backward, torch.autograd.backward)
 _CALL = (lambda func, args, kwargs: func(*args, **kwargs)).__code__
@@ -90,8 +92,8 @@ def _at(where: tuple[str, int] | None) -> Callable[..., Any]:
 
 @dataclass(frozen=True)
 class Ref:
-    """A tensor a recorded call read: leaf ``leaf`` of the model's output (``call == -1``) or of call ``call``'s
-    result."""
+    """A tensor a recorded call read: leaf ``leaf`` of the output of the step's ``k``-th recorded forward
+    (``call == -1 - k``) or of call ``call``'s result."""
 
     call: int
     leaf: int
@@ -111,10 +113,18 @@ class LossProgram:
 
     calls: tuple[Call, ...]
     loss: Ref
+    #: the root module's forwards the loss reads (a GAN discriminator's loss: its real and its fake call)
+    forwards: int = 1
 
     def loss_fn(self, output: Any, batch: Any = None) -> torch.Tensor:
         """The recorded calls run on ``output`` (the replay's model output); returns the loss."""
-        values: dict[int, list[Any]] = {-1: _leaves(output)}
+        return self.run([output])
+
+    def run(self, outputs: list[Any]) -> torch.Tensor:
+        """The recorded calls run on the outputs of the replay's last :attr:`forwards` forwards, in order."""
+        if len(outputs) != self.forwards:
+            raise ValueError(f"the recorded loss reads {self.forwards} forward(s), got {len(outputs)} output(s)")
+        values: dict[int, list[Any]] = {-1 - k: _leaves(out) for k, out in enumerate(outputs)}
 
         def resolve(x: Any) -> Any:
             return values[x.call][x.leaf] if isinstance(x, Ref) else x
@@ -144,6 +154,20 @@ class LossRecorder(TorchFunctionMode):
         self.program: LossProgram | None = None
         self.failed = not self._ids
         self.done = self.failed
+        self.forwards = 1
+        #: a further forward of the root module runs inside the loss code: its own ops are not loss code
+        self.paused = False
+
+    def add_output(self, output: Any) -> None:
+        """The output of a further forward the loss may read (its leaves become ``Ref(-1 - k, i)``)."""
+        if self.forwards >= MAX_FORWARDS:
+            self.stop(f"the loss reads more than {MAX_FORWARDS} forwards")
+            return
+        for i, leaf in enumerate(_leaves(output)):
+            if isinstance(leaf, torch.Tensor):
+                self._ids[id(leaf)] = Ref(-1 - self.forwards, i)
+                self._alive.append(leaf)
+        self.forwards += 1
 
     def _spec(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -152,7 +176,7 @@ class LossRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self.done:
+        if self.done or self.paused:
             return func(*args, **kwargs)
         try:
             return self._handle(func, args, kwargs)
@@ -173,7 +197,9 @@ class LossRecorder(TorchFunctionMode):
             self.stop(f"the loss code made more than {MAX_CALLS} torch calls")
             return out
         try:
-            call = Call(func, _map(self._spec, tuple(args)), _map(self._spec, kwargs), user_frame(2))
+            call = Call(func, _map(self._spec, tuple(args)), _map(self._spec, kwargs), user_frame(3))
+            if not _refs((call.args, call.kwargs)):   # reads no forward's output: an input (a target, a detached
+                return out                            # batch), kept by reference when a recorded call reads it
             if _reads_graph((call.args, call.kwargs)):
                 self.stop("the loss reads a tensor with autograd history that is not computed from this forward's "
                           "output (another forward's loss, a parameter): a replay would backpropagate into it")
@@ -181,7 +207,7 @@ class LossRecorder(TorchFunctionMode):
             self.calls.append(call)
             i = len(self.calls) - 1
             reads = [x for x in _refs((call.args, call.kwargs))]
-            if any(x.call == -1 or x.call in self._reads_output for x in reads):
+            if any(x.call < 0 or x.call in self._reads_output for x in reads):
                 self._reads_output.add(i)
             for j, leaf in enumerate(_leaves(out)):
                 if isinstance(leaf, torch.Tensor):
@@ -193,10 +219,10 @@ class LossRecorder(TorchFunctionMode):
 
     def _finish(self, loss: Any) -> None:
         ref = self._ids.get(id(loss)) if isinstance(loss, torch.Tensor) else None
-        if ref is None or (ref.call != -1 and ref.call not in self._reads_output):
+        if ref is None or (ref.call >= 0 and ref.call not in self._reads_output):
             self.stop("backward() ran on a tensor not computed from the model's output")
             return
-        self.program = LossProgram(tuple(self.calls), ref)
+        self.program = LossProgram(tuple(self.calls), ref, self.forwards)
         self._release()
 
     def stop(self, why: str) -> None:
@@ -262,16 +288,28 @@ class LossCodeTap:
         self._step = -1
         self._programs: deque[tuple[int, LossProgram]] = deque(maxlen=2)
         self.optimizer = optimizer
-        self.handles = [model.register_forward_hook(Hook(self.on_output))]
+        self.handles = [model.register_forward_pre_hook(Hook(self.on_input)),
+                        model.register_forward_hook(Hook(self.on_output))]
         if optimizer is not None:   # global: runs before the watch's own step hook, whose torch calls then skip
             self.handles.append(register_optimizer_step_pre_hook(Hook(self.on_step)))   # this mode
+
+    @guarded
+    def on_input(self, module: nn.Module, args: Any) -> None:
+        rec = self.recorder
+        if not is_replaying() and rec is not None and not rec.done:   # a further forward inside the loss code
+            rec.paused = True
 
     @guarded
     def on_output(self, module: nn.Module, args: Any, output: Any) -> None:
         if is_replaying():         # a replay's copy shares this hook: its forward is not the script's
             return
-        if self.recorder is not None and not self.recorder.done:   # a 2nd forward before backward: the replay
-            self.recorder.stop("the loss reads more than one forward")  # re-runs one forward only
+        rec = self.recorder
+        if rec is not None and not rec.done and rec.paused:   # the loss may read this forward too (a GAN's
+            rec.paused = False                                # discriminator on the real and the fake batch)
+            rec.add_output(output)
+            return
+        if rec is not None and not rec.done:
+            rec.stop("a forward ran before backward() outside the recording")
         self.settle()
         if self.recorder is not None or not torch.is_grad_enabled():
             return

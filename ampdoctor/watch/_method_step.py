@@ -56,17 +56,24 @@ class CallsReplay:
     and the fake batch): ``batch`` is the recorded calls (``[{"args": [...], "kwargs": {...}}, ...]``), run in
     their order so that a failure in any call is traced, not only in the last. When every call returns a loss
     (a scalar, or ``.loss``) their sum is backpropagated and the update made, as :func:`ampdoctor.diagnose` runs a
-    model's own loss; otherwise the calls run forward only (``forward_only``: the loss was computed outside)."""
+    model's own loss; with ``program`` (the loop's loss code recorded over the step's last ``program.forwards``
+    forwards, ``_loss_code.LossProgram``) that loss is run on those calls' outputs; otherwise the calls run forward
+    only (``forward_only``: the loss was computed outside)."""
 
-    def __init__(self) -> None:
+    def __init__(self, program: Any = None) -> None:
+        self.program = program
         self.forward_only = False
 
     def __call__(self, model: Any, batch: Any, optimizer: Any = None, scaler: Any = None) -> Any:
         from ampdoctor.precision import default_loss
 
-        found = [default_loss(model(*c["args"], **c["kwargs"])) for c in batch]
-        losses = [x for x in found if x is not None and x.requires_grad]
-        if not losses or len(losses) < len(found):
+        outputs = [model(*c["args"], **c["kwargs"]) for c in batch]
+        if self.program is not None and len(outputs) >= self.program.forwards:
+            losses = [self.program.run(outputs[len(outputs) - self.program.forwards:])]
+        else:
+            found = [default_loss(out) for out in outputs]
+            losses = [x for x in found if x is not None] if all(x is not None for x in found) else []
+        if not losses or not all(x.requires_grad for x in losses):
             self.forward_only = True
             return None
         loss = torch.stack([x.float() for x in losses]).sum()

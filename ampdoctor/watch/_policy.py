@@ -19,6 +19,7 @@ from torch import nn
 from ampdoctor.findings import Report
 from ampdoctor.watch import _reproducer
 from ampdoctor.watch._detectors import WINDOW, Detection
+from ampdoctor.watch._method_step import CallsReplay
 from ampdoctor.watch._options import AnomalyError, WatchOptions
 from ampdoctor.watch._payload import StepInputs
 from ampdoctor.watch._prestate import PreUpdate
@@ -261,17 +262,25 @@ class AnomalyPolicy:
         self.reproducers.append(path)
         return path
 
-    def _loss_fn(self, payload: dict[str, Any]) -> Any:
+    def _replay_step(self, payload: dict[str, Any]) -> tuple[Any, Any]:
+        """``(loss_fn, train_step)`` of the replay: the user's ``train_step``; else the loop's recorded loss code,
+        on the last call's output or, when it reads several forwards, on the step's last calls (CallsReplay)."""
         if self.loss_code is None or self.train_step is not None or self.step_method:
-            return None
+            return None, self.train_step
         program = self.loss_code(int(payload["step"]))
-        return None if program is None else program.loss_fn
+        if program is None:
+            return None, None
+        if program.forwards == 1:
+            return program.loss_fn, None
+        enough = len(payload.get("calls") or ()) >= program.forwards
+        return None, CallsReplay(program) if enough else None
 
     def _run_replay(self, payload: dict[str, Any], path: str | None) -> Report | None:
         try:
+            loss_fn, train_step = self._replay_step(payload)
             with torch.enable_grad():   # may run inside optimizer.step(), which disables grad
                 return _reproducer.replay_payload(payload, self._copy_model, origin=path or "",
-                                                  train_step=self.train_step, loss_fn=self._loss_fn(payload))
+                                                  train_step=train_step, loss_fn=loss_fn)
         except Exception as exc:  # noqa: BLE001 - a failed replay must not stop training
             self.replay_error = f"{type(exc).__name__}: {exc}"
             log.warning("ampdoctor.watch: replaying step %d failed (%s); the watch goes on", payload["step"],

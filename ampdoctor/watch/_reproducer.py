@@ -373,8 +373,8 @@ def _replay(payload: dict[str, Any], model_factory: Callable[[], nn.Module] | No
     if train_step is None and payload.get("step_method") == "training_step":
         train_step = training_step_replay      # the model's own training_step (never a name from the file)
     calls = payload.get("calls")
-    if train_step is None and loss_fn is None and calls:     # several calls of the root module: all of them
-        batch, train_step = _to_device(calls, device), CallsReplay()
+    if calls and (isinstance(train_step, CallsReplay) or (train_step is None and loss_fn is None)):
+        batch, train_step = _to_device(calls, device), train_step or CallsReplay()   # every call of the step
     from ampdoctor.diagnose import diagnose
 
     _set_step_rng(payload.get("rng"))

@@ -3,7 +3,9 @@
 so the discriminator's parameters were reported "missing from the optimizer" (a false ``unused-parameters``), and
 its replay of ``training_step`` crashed (``self.optimizers()`` unpacked one optimizer). Now each optimizer gets a
 watch over the submodule it updates. The discriminator's first Linear (weights x 1e5, below fp16's max) overflows
-fp16 on the real batch: the report is an error; the healthy twin is clean and trains bitwise as unwatched.
+fp16 on the real batch: the report is an error, and the discriminator's replay, which runs every call of its step
+(real, then fake) with the recorded loss code, names that Linear's addmm; the healthy twin is clean and trains
+bitwise as unwatched.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ def test_each_optimizer_is_watched_over_its_own_submodule() -> None:
     assert "unused-parameters" not in r.codes(), [(f.code, f.module) for f in r.findings]
     assert "replay_error" not in r.summary["per_watch"][1]
     assert any(f.severity == "error" and f.code == "overflow" for f in r.findings)
+    # the discriminator's replay runs every call of its step (real, fake) and the recorded loss code: the overflow
+    # in the first call, on the real batch, is located (the last call alone stays finite)
+    located = [f for f in r.findings if (f.code, f.module, f.op) == ("overflow", "0", "aten.addmm.default")]
+    assert located and located[0].phase == "forward", [(f.code, f.module, f.op) for f in r.findings]
+    assert r.summary["per_watch"][1]["replay"]["summary"]["replayed_calls"] == 2
 
 
 def test_healthy_gan_is_clean_and_bitwise_unchanged() -> None:

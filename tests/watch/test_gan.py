@@ -39,7 +39,7 @@ def d_step(model, batch, optimizer=None, scaler=None):  # type: ignore[no-untype
     return loss
 
 
-def train(scale: float, watched: bool):  # type: ignore[no-untyped-def]
+def train(scale: float, watched: bool, default_replay: bool = False):  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     G = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 8))
     D = nn.Sequential(nn.Linear(8, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
@@ -48,12 +48,13 @@ def train(scale: float, watched: bool):  # type: ignore[no-untyped-def]
     oG, oD = (torch.optim.Adam(m.parameters(), 1e-3, betas=(0.5, 0.999)) for m in (G, D))
     sG, sD = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
     g = torch.Generator().manual_seed(1)
-    wD = ampdoctor.watch(D, oD, sD) if watched else None
+    wD = ampdoctor.watch(D, oD, sD, loss_code=default_replay) if watched else None
     wG = ampdoctor.watch(G, oG, sG) if watched else None
     if wD is not None and wG is not None:
         wD.__enter__()
         wG.__enter__()
-        wD.replay_with(d_step)
+        if not default_replay:
+            wD.replay_with(d_step)
     try:
         for _ in range(4):
             real, z = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
@@ -71,7 +72,7 @@ def train(scale: float, watched: bool):  # type: ignore[no-untyped-def]
             sG.step(oG)
             sG.update()
             if wD is not None and wG is not None:
-                wD.step(loss_d, batch=(real, fake.detach()))
+                wD.step(loss_d, batch=None if default_replay else (real, fake.detach()))
                 wG.step(loss_g)
     finally:
         if wD is not None and wG is not None:
@@ -92,6 +93,25 @@ def test_discriminator_step_replayed_with_its_own_step_names_the_linear() -> Non
 def test_healthy_gan_is_clean_and_bitwise_unchanged() -> None:
     plain, _ = train(1.0, False)
     watched, (rd, rg) = train(1.0, True)
+    assert rd.ok and rg.ok and rd.codes() == [] and rg.codes() == []
+    for a, b in zip(plain, watched):
+        for (n, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+            assert torch.equal(x, y), n
+
+
+def test_default_replay_runs_every_call_of_the_step_and_the_recorded_loss() -> None:
+    """No ``replay_with``, no ``batch=``: the watch keeps each of the step's discriminator calls (the generator's
+    fake from the previous iteration, the real batch, the fake batch) and records the loop's loss code over the
+    real and the fake call (``loss_code=True``); the default replay runs all the calls and that loss, so the
+    overflow in the first, real call is found. The healthy twin stays clean and bitwise."""
+    _, (rd, _) = train(1e5, True, default_replay=True)
+    first = rd.findings[0]
+    assert (first.code, first.module, first.op, first.phase) == ("overflow", "0", "aten.addmm.default", "forward"), \
+        [(f.code, f.module, f.op, f.phase) for f in rd.findings]
+    assert rd.summary["replay"]["summary"]["replayed_calls"] == 3
+    assert rd.summary["replay"]["summary"]["forward_only"] is False
+    plain, _ = train(1.0, False)
+    watched, (rd, rg) = train(1.0, True, default_replay=True)
     assert rd.ok and rg.ok and rd.codes() == [] and rg.codes() == []
     for a, b in zip(plain, watched):
         for (n, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):

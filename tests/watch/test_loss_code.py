@@ -131,3 +131,30 @@ def test_recorder_leaves_the_mode_stack_when_backward_returns_or_raises() -> Non
         assert depth == [0] * 6
         assert where == plain_where and all(w == [(__file__, 0)] for w in where), where
         assert all(torch.equal(a, b) for a, b in zip(weights, plain, strict=True))
+
+
+def test_a_loss_over_two_forwards_is_recorded_and_replayed_on_both_outputs() -> None:
+    """A GAN discriminator's loss: the real and the (detached) fake batch through the same model; the detach of
+    an input is no loss code (kept by reference), the second forward's own ops are not recorded."""
+    from ampdoctor.watch._hooks import Health
+
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 1)
+    gen = nn.Linear(3, 4)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    health = Health()
+    health.active = health.ready = True
+    tap = _loss_code.LossCodeTap(lin, opt, lambda: 0, health)
+    real, fake = torch.randn(5, 4), gen(torch.randn(5, 3))
+    try:
+        bce = nn.functional.binary_cross_entropy_with_logits
+        loss = bce(lin(real), torch.ones(5, 1)) + bce(lin(fake.detach()), torch.zeros(5, 1))
+        loss.backward()
+        assert not _get_current_function_mode_stack()
+        program = tap.program(0)
+        assert program is not None and program.forwards == 2
+        a, b = lin(real * 2), lin(fake.detach() * 3)
+        assert torch.equal(program.run([a, b]), bce(a, torch.ones(5, 1)) + bce(b, torch.zeros(5, 1)))
+    finally:
+        tap.close()
+    assert not _get_current_function_mode_stack()
