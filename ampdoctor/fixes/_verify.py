@@ -61,6 +61,13 @@ def merged_params(report: Report, proposal: FixProposal) -> dict[str, Any]:
     return params
 
 
+def _fix_key(fix_id: str, params: dict[str, Any]) -> tuple[str, str]:
+    """One key per distinct fix: merged module/parameter lists are sets (finding b's ``[b, a]`` is finding a's
+    ``[a, b]``), so a fix several findings propose is verified once."""
+    norm = {k: sorted(v) if k in ("modules", "parameters") and isinstance(v, list) else v for k, v in params.items()}
+    return fix_id, repr(sorted(norm.items()))
+
+
 def targets_of(report: Report, proposal: FixProposal) -> tuple[str, ...]:
     """``code@module`` of every finding that proposes this fix (its module lists merged): what it must cure."""
     return tuple(dict.fromkeys(f"{f.code}@{f.module or '<root>'}" for f in report.findings
@@ -147,7 +154,7 @@ def diagnose_and_fix(spec: Any, *, steps: int = DEFAULT_STEPS, policy: str = "cu
                 fixes.append(p)
                 continue
             params = merged_params(report, p)
-            key = (p.id, repr(sorted(params.items())))
+            key = _fix_key(p.id, params)
             if key not in done and until_verified and any(v is not None and v.verified for _, v, _ in done.values()):
                 fixes.append(p)
                 continue
