@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from ampdoctor.findings._absolute_args import absolute_arg_findings
 from ampdoctor.findings._analysis import output_deviation
 from ampdoctor.findings._common import (
     CANCEL_OPS,
@@ -114,14 +115,23 @@ def precision_loss(ctx: Context) -> list[Candidate]:
     the fp32 reference) cast or computed in a dtype beyond the integers it holds exactly (bf16 256, fp16 2048)
     rounds distinct integers together (``257 -> 256``): reported at the cast or op that rounded them, with
     ``integers_exact_up_to``, ``sampled_changed``, ``examples``; an ``error`` when what is computed from them
-    deviates (``sin(pos * freq)`` wrong in some element, a median element off by 25%, the output by 1%)."""
+    deviates (``sin(pos * freq)`` wrong in some element, a median element off by 25%, the output by 1%).
+
+    Rounded arguments of periodic functions (:mod:`ampdoctor.findings._absolute_args`): a float value (a diffusion
+    timestep, a sigma, a coordinate) rounded into fp16/bf16 and then encoded by ``sin``/``cos`` at a high
+    frequency -- the argument off by at least 0.5 radians in some sampled element, the result by more than a
+    quarter of its amplitude -- is an ``error`` at the first record upstream that rounded it (the cast, the
+    low-precision op, the batch tensor), with ``periodic_op``, ``argument_abs_error``, ``origin_abs_error``: the
+    rounding's relative error is only u, the embedding encodes another value."""
     # long: the docstring is this code's entry in docs/codes.md
     lost = _lost_accuracy_findings(ctx)
     decisions = _decision_findings(ctx)
-    at = {c.order for c in decisions}
+    ints = integer_rounding_findings(ctx)
+    phases = absolute_arg_findings(ctx, {c.order for c in ints if isinstance(c.order, int)} | _skip_explained(ctx))
+    at = {c.order for c in decisions} | {c.order for c in phases}
     amplified = [c for c in _amplified_findings(ctx) if c.order not in at]
     at |= {c.order for c in amplified}
-    return (_cancellation_findings(ctx) + out_of_range_findings(ctx) + integer_rounding_findings(ctx)
+    return (_cancellation_findings(ctx) + out_of_range_findings(ctx) + ints + phases
             + rounded_operand_findings(ctx) + decisions
             + lost + amplified
             + [c for c in _element_findings(ctx) if c.order not in at])
