@@ -17,8 +17,11 @@ checks do not see it; the element samples of the argument (``trace._sample``) do
 Decided by mechanism only, on step 0's forward: a ``sin``/``cos`` whose argument's sampled absolute error against
 fp32 reaches :data:`PHASE_LOST` radians and whose result is off by more than :data:`VALUE_LOST` of its unit
 amplitude in some element; a (log-)softmax whose argument's sampled absolute error reaches :data:`LOGIT_LOST`
-(sentinel-sized logits -- masks -- left out: |logit| >= :data:`SENTINEL`) and whose result is off by more than
-:data:`VALUE_LOST` in some element (probabilities relative to the element, log-probabilities absolutely).
+(sentinel-sized logits -- masks -- left out: |logit| >= :data:`SENTINEL`; so is an origin that holds or reads
+sentinel-sized values: a fully masked row's differences; the origin must hold or add an offset -- a cast, an
+add, a GEMM with a bias -- not scale it: ``100 * cos`` scales the differences with the values) and whose result
+is off by more than :data:`VALUE_LOST` in some element (probabilities relative to the element, log-probabilities
+absolutely).
 Reported as ``precision-loss`` (an error) at the rounding site upstream (within :data:`DEPTH` hops of the
 argument: a cast to fp16/bf16, a low-precision op, a batch tensor ampdoctor cast, whose sampled output differs
 from fp32): the one with the largest absolute error, the earliest of those within a factor 2 of it (a rounded
@@ -47,10 +50,11 @@ from ampdoctor.findings._common import (
 from ampdoctor.findings._context import Context
 from ampdoctor.findings._registry import Candidate
 from ampdoctor.findings._types import Finding, FixProposal
-from ampdoctor.trace import Kind, OpRecord, ops_with
+from ampdoctor.trace import Kind, OpRecord, Reduces, op_info, ops_with
 
 PERIODIC = ops_with(Kind.PERIODIC)
 SOFTMAX = ops_with(Kind.SOFTMAX)
+CANCELLING = ops_with(Kind.CANCELLING)
 #: a sin/cos argument off by this many radians in some sampled element encodes another value (about 29 degrees)
 PHASE_LOST = 0.5
 #: a softmax argument off by this much in some sampled element moves that probability by e**0.25 = 1.28x
@@ -58,8 +62,9 @@ LOGIT_LOST = 0.25
 #: ... when the function's result is then off by more than this (sin/cos: of its unit amplitude; softmax: of the
 #: element, relative; log_softmax: absolutely, a factor e**0.25 on the probability) in some sampled element
 VALUE_LOST = 0.25
-#: logits at least this large are mask sentinels (-1e4, -1e9, finfo.min), not values: their rounding is moot
-SENTINEL = 1e3
+#: values at least this large are mask sentinels (-1e4, -1e9, finfo.min), not values: their rounding is moot, and
+#: differences that a rounding at a sentinel's magnitude lost (a fully masked row) are no values either
+SENTINEL = 4096.0
 #: an argument's error beyond this many times ``|max| * u`` is not rounding at its magnitude (carried damage)
 ROUNDING_SLACK = 4.0
 #: hops searched upstream of the argument for the rounding site (through views, casts and float64 arithmetic)
@@ -121,12 +126,30 @@ def _origin(ctx: Context, arg: OpRecord) -> tuple[OpRecord, float] | None:
         if x.kind not in ("op", "batch") or not is_low(x.dtype) or op_base(x.op) in ALIAS_OPS:
             continue
         d = _max_abs_diff(ctx, x, SENTINEL)
-        if d is not None and d > 0:
+        cmp = _comparison(ctx, x)
+        size = float((cmp or x).stats.get("absmax", 0.0))
+        if d is not None and 0 < d <= ROUNDING_SLACK * size * unit_roundoff(x.dtype):  # a rounding, not a mismatch
             cands.append((x, d))
     if not cands:
         return None
     top = max(d for _, d in cands)
     return min(((x, d) for x, d in cands if d >= top / 2), key=lambda c: c[0].index)
+
+
+def _adds_an_offset(x: OpRecord) -> bool:
+    """``x`` holds or adds a value as it is (a cast, a batch tensor, an add/sub, a GEMM with a bias input): an
+    offset it rounds is common to the logits. A product (``logit_scale * cos``) scales the differences with the
+    values, so rounding it costs the differences no more than rounding its factors did."""
+    if x.kind == "batch" or op_base(x.op) in CASTS | CANCELLING:
+        return True
+    info = op_info(op_base(x.op))
+    return info is not None and info.reduces is Reduces.INNER_1
+
+
+def _sentinel_sized(ctx: Context, o: OpRecord) -> bool:
+    """``o`` or an input of it holds sentinel-sized values in the reference: the digits went to a mask."""
+    xs = [o, *(ctx.records[i] for i in o.inputs if i >= 0)]
+    return any(float((ctx.ref(x) or x).stats.get("absmax", 0.0)) >= SENTINEL for x in xs)
 
 
 def _lost(ctx: Context, r: OpRecord) -> tuple[OpRecord, float, float] | None:
@@ -168,7 +191,9 @@ def lost_arguments(ctx: Context, skip: set[int]) -> list[LostArgument]:
         arg, arg_err, value_err = lost
         o, o_err = origin
         arg_absmax = float((ctx.ref(arg) or arg).stats.get("absmax", 0.0))
-        if arg_err > ROUNDING_SLACK * arg_absmax * unit_roundoff(o.dtype):
+        if arg_err > ROUNDING_SLACK * arg_absmax * unit_roundoff(o.dtype) or _sentinel_sized(ctx, o):
+            continue
+        if op_base(r.op) in SOFTMAX and not _adds_an_offset(o):
             continue
         seen.add(o.index)
         ref_o = ctx.ref(o)

@@ -21,8 +21,10 @@ decides, from mechanisms, whether that diagnosis can find anything that changes 
    argument that is 0 or ±1 in the format but not in float32 (constant-out-of-range); integers (every sampled
    element, as the integer-values rule reads them) or a tensor made from no floating input (positions, ids cast to
    float) beyond the integers the format holds exactly; a decision (argmax, topk, argmin) whose indices select
-   later values (an MoE router, a codebook lookup: the precision-loss rule compares its choices); trainable
-   parameters with no gradient or outside the optimizer.
+   later values (an MoE router, a codebook lookup: the precision-loss rule compares its choices); a sin/cos or
+   softmax whose argument is large enough that the format's rounding at its magnitude can move it by a phase or a
+   logit difference (a timestep before its sinusoid, an ALiBi bias); trainable parameters with no gradient or
+   outside the optimizer.
 3. :func:`guard_step` -- the target step itself, on copies, under the cheap trace tier (one ``aminmax`` per op):
    it raised (a dtype mismatch under autocast, a literal that does not fit); any op output inf/NaN (also one
    absorbed downstream) of a kind (NaN, +inf, -inf) that its float32 twin (same phase, module, op and occurrence)
@@ -70,6 +72,12 @@ MARGIN_BITS = 1.0
 LOSS_REL = 0.01
 #: at most this many reasons are kept (the first ones, in the order above)
 MAX_REASONS = 8
+#: the absolute error a sin/cos (radians) or a softmax (logits) reads, and the rounding slack, that the
+#: precision-loss rule's rounded-argument check uses (``findings._absolute_args``: PHASE_LOST, LOGIT_LOST,
+#: ROUNDING_SLACK, SENTINEL; equal by test): an argument of float32 |max| A can lose that only if A * u * slack does
+ABS_ARG_LOST = {"periodic": 0.5, "softmax": 0.25}
+ABS_ARG_SLACK = 4.0
+ABS_ARG_SENTINEL = 4096.0
 
 
 @dataclass(frozen=True)
@@ -181,6 +189,7 @@ def reference_reasons(ref: RunResult, precision: str) -> list[str]:
         if len(out) >= MAX_REASONS:
             break
     out += _routing_reasons(ref.trace)
+    out += _argument_reasons(ref.trace, dtype, fmt)
     cov = ref.coverage[0] if ref.coverage and not ref.forward_only else []
     unused = [p.name for p in cov if p.grad_none or not p.in_optimizer]
     if unused:
@@ -216,6 +225,25 @@ def _routing_reasons(trace: TraceResult) -> list[str]:
         if d.input_index in used:
             return [f"{d.op} in {d.module or '<root>'} chooses indices that select later computation (routing, a "
                     "lookup): rounding its scores can change the choice"]
+    return []
+
+
+def _argument_reasons(trace: TraceResult, dtype: torch.dtype, fmt: str) -> list[str]:
+    """A sin/cos or (log-)softmax whose float32 argument is large enough that rounding at its magnitude can move it
+    by what the function reads (a phase, a logit difference): the precision-loss rule compares its elements, the
+    cheap guard step does not (a timestep cast before its sinusoid, an ALiBi bias, drifted logits)."""
+    kinds = {"periodic": ops_with(Kind.PERIODIC), "softmax": ops_with(Kind.SOFTMAX)}
+    u = unit_roundoff(dtype)
+    for r in trace.records:
+        if r.phase != "forward" or not r.inputs or r.inputs[0] < 0:
+            continue
+        kind = next((k for k, ops in kinds.items() if op_base(r.op) in ops), None)
+        a = trace.records[r.inputs[0]].stats.get("absmax", 0.0) if kind is not None else 0.0
+        if kind == "softmax" and a >= ABS_ARG_SENTINEL:
+            continue  # a mask sentinel: its rounding is moot (the rule leaves it out too)
+        if kind is not None and a * u * ABS_ARG_SLACK >= ABS_ARG_LOST[kind]:
+            return [f"{r.op} in {r.module or '<root>'} reads the absolute error of an argument of |max| {a:.4g}: "
+                    f"{fmt}'s rounding there (u = {u:.3g}) can move it by {ABS_ARG_LOST[kind]:g}"]
     return []
 
 

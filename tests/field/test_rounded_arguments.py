@@ -16,7 +16,9 @@ from _field_cases import CASES
 from torch import nn
 
 import ampdoctor
+from ampdoctor.findings import _absolute_args as A
 from ampdoctor.findings._absolute_args import LOGIT_LOST, PHASE_LOST
+from ampdoctor.precision import triage
 
 
 class Encoded(nn.Module):
@@ -121,3 +123,9 @@ def test_logit_drift_numbers() -> None:
         low = m.to(torch.bfloat16)(ids).float()
     moved = (F.log_softmax(ref, -1) - F.log_softmax(low, -1)).abs().max()
     assert moved > LOGIT_LOST and f.evidence["function_error"] <= moved.item() + 1e-3
+
+
+def test_check_triage_uses_the_rule_thresholds() -> None:
+    """``check``'s quick pass escalates on the same thresholds (precision cannot import findings: equal by test)."""
+    assert triage.ABS_ARG_LOST == {"periodic": A.PHASE_LOST, "softmax": A.LOGIT_LOST}
+    assert (triage.ABS_ARG_SLACK, triage.ABS_ARG_SENTINEL) == (A.ROUNDING_SLACK, A.SENTINEL)
