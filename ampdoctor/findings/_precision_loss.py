@@ -117,12 +117,14 @@ def precision_loss(ctx: Context) -> list[Candidate]:
     ``integers_exact_up_to``, ``sampled_changed``, ``examples``; an ``error`` when what is computed from them
     deviates (``sin(pos * freq)`` wrong in some element, a median element off by 25%, the output by 1%).
 
-    Rounded arguments of periodic functions (:mod:`ampdoctor.findings._absolute_args`): a float value (a diffusion
-    timestep, a sigma, a coordinate) rounded into fp16/bf16 and then encoded by ``sin``/``cos`` at a high
-    frequency -- the argument off by at least 0.5 radians in some sampled element, the result by more than a
-    quarter of its amplitude -- is an ``error`` at the first record upstream that rounded it (the cast, the
-    low-precision op, the batch tensor), with ``periodic_op``, ``argument_abs_error``, ``origin_abs_error``: the
-    rounding's relative error is only u, the embedding encodes another value."""
+    Rounded arguments of sin/cos and softmax (:mod:`ampdoctor.findings._absolute_args`): a float value (a
+    diffusion timestep, a sigma, a coordinate) rounded into fp16/bf16 and then encoded by ``sin``/``cos`` at a
+    high frequency -- the argument off by at least 0.5 radians in some sampled element, the result by more than a
+    quarter of its amplitude -- or logits on a large common offset (an ALiBi bias, drifted logits) whose
+    differences a (log-)softmax reads -- off by at least 0.25, the result by more than 25% -- is an ``error`` at
+    the rounding site upstream (the cast, the low-precision op or GEMM with a bias, the batch tensor), with
+    ``function_op``, ``argument_abs_error``, ``origin_abs_error``: the rounding's relative error is only u, the
+    function reads its absolute error. Masks (|logit| >= 4096) and products (``100 * cos``) are left out."""
     # long: the docstring is this code's entry in docs/codes.md
     lost = _lost_accuracy_findings(ctx)
     decisions = _decision_findings(ctx)
