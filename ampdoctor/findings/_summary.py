@@ -11,7 +11,7 @@ import torch
 from ampdoctor.findings._common import dtype_name, limits
 from ampdoctor.findings._context import Context, chain_summary
 from ampdoctor.findings._payloads import LayerStat
-from ampdoctor.trace import is_nonfinite
+from ampdoctor.trace import dtype_info, is_nonfinite
 
 
 def summary(ctx: Context, findings: list[Any], elapsed: float) -> dict[str, Any]:
@@ -56,8 +56,45 @@ def summary(ctx: Context, findings: list[Any], elapsed: float) -> dict[str, Any]
     return s
 
 
+def _fp8_layers(fp8: Any) -> list[LayerStat]:
+    """An emulated fp8 run's ranges: per module and tensor role, the cast to fp8 that scaled largest over the
+    run's steps (delayed scaling saturates at a later step), with the largest share flushed to 0 of any of its
+    casts. Everything but the linears' casts runs in float32 there, so these are the ranges that can overflow or
+    flush: ``ref_absmax`` is ``|x| * scale`` before the cast (above ``format_max``: clipped), ``target_absmax``
+    what the cast keeps, ``flush_fraction`` the elements that became 0. A non-finite scale (amax 0 without a
+    floor) gives NaN."""
+    best: dict[tuple[str, str], Any] = {}
+    order: dict[str, int] = {}
+    flush: dict[tuple[str, str], float] = {}
+    for x in fp8.tensors:
+        key = (x.module, x.role)
+        order.setdefault(x.module, len(order))
+        scaled = x.amax * x.scale if math.isfinite(x.scale) else math.nan
+        fmax = limits(x.format)[0]  # the registry knows the short names ("e4m3")
+        if abs(scaled - fmax) <= fmax * 2.0 ** -21:  # fmax / amax * amax: fmax up to the float32 scale's rounding
+            scaled = fmax
+        cur = best.get(key)
+        if cur is None or not scaled <= cur[0]:  # NaN (a broken scale) wins
+            best[key] = (scaled, x)
+        flush[key] = max(flush.get(key, 0.0), x.underflowed / x.numel if x.numel else 0.0)
+    out = []
+    for (module, role), (scaled, x) in best.items():
+        info = dtype_info(x.format)
+        dtype, fmax = (info.name, info.max) if info is not None else (x.format, math.inf)
+        out.append(LayerStat.of({
+            "module": module, "depth": order[module], "phase": "backward" if role == "grad_output" else "forward",
+            "op": f"fp8 cast ({role})", "dtype": dtype, "ref_absmax": scaled,
+            "target_absmax": min(scaled, fmax) if not math.isnan(scaled) else math.nan,
+            "flush_fraction": flush[(module, role)], "nonfinite": 0, "format_max": fmax,
+        }))
+    return out
+
+
 def layers(ctx: Context) -> list[LayerStat]:
-    """Per module and phase: the op with the largest |max| in the target, against the reference."""
+    """Per module and phase: the op with the largest |max| in the target, against the reference (in an emulated
+    fp8 run, the fp8 casts: :func:`_fp8_layers`)."""
+    if ctx.target.fp8 is not None and ctx.target.fp8.tensors:
+        return _fp8_layers(ctx.target.fp8)
     best: dict[tuple[str, str], Any] = {}
     order: dict[tuple[str, str], int] = {}
     benign = {o.record.index for o in ctx.origins if not o.harmful}
