@@ -10,10 +10,7 @@ finished copy handed over with ``SharedCopy.keep``) or *fresh* (the copy dropped
 that ``prepare`` and the RSS it adds (the heap is trimmed before it, as the runner does after a run).
 ``--diagnose``: ``ampdoctor.diagnose`` twice per round and precision, *shared* (the default) and *fresh*
 (``SharedCopy.keep`` made a no-op), phases timed through ``progress``, peak RSS above the start (``VmHWM`` reset
-through ``/proc/self/clear_refs``). ``--trim``: whole diagnoses (shared), *kept* (the runner's default: no heap trim
-between the reference and the target, the target reuses the freed pages) vs *trimmed* (the trim between them, as
-before d84465b), phases timed in wall and process CPU time and counted in minor page faults (``ru_minflt``: not
-sensitive to the machine's load). Order alternates between rounds; one process. ``--warm N``: the user's
+through ``/proc/self/clear_refs``). Order alternates between rounds; one process. ``--warm N``: the user's
 optimizer ran N steps first (its state is shared too). Results: ``bench/results/shared_copy.{json,md}``.
 """
 
@@ -26,7 +23,6 @@ import gc
 import json
 import os
 import platform
-import resource
 import statistics
 import sys
 import time
@@ -42,34 +38,19 @@ import ampdoctor  # noqa: E402
 from ampdoctor.precision import SharedCopy, StepLoop, make_spec, prepare  # noqa: E402
 
 
-def _one(model: Any, opt: Any, batch: Any, precision: str, shared: bool, trimmed: bool = False) -> dict[str, Any]:
-    """One diagnose; ``trimmed``: with the heap trim between the reference and the target (the path before d84465b)."""
+def _one(model: Any, opt: Any, batch: Any, precision: str, shared: bool) -> dict[str, Any]:
     keep = SharedCopy.keep
     if not shared:
         SharedCopy.keep = lambda self, model, optimizer: None  # type: ignore[method-assign]
-    diag = sys.modules["ampdoctor.diagnose"]
-    real_run = diag.run
-    if trimmed:
-        def run_then_trim(*a: Any, **k: Any) -> Any:
-            res = real_run(*a, **k)
-            if k.get("reference"):
-                _trim()
-            return res
-        diag.run = run_then_trim
     scaler = torch.amp.GradScaler("cpu") if precision == "fp16-amp" else None
     phases: dict[str, float] = {}
-    cpu: dict[str, float] = {}
-    faults: dict[str, int] = {}
-    last = [time.perf_counter(), "", time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt]
+    last = [time.perf_counter(), ""]
 
     def progress(phase: str) -> None:
-        now, now_cpu = time.perf_counter(), time.process_time()
-        flt = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        now = time.perf_counter()
         if last[1]:
             phases[str(last[1])] = round(now - float(last[0]), 3)
-            cpu[str(last[1])] = round(now_cpu - float(last[2]), 3)
-            faults[str(last[1])] = int(flt - last[3])
-        last[:] = [now, phase, now_cpu, flt]
+        last[0], last[1] = now, phase
 
     gc.collect()
     rss0 = status_gib("VmRSS")
@@ -80,9 +61,7 @@ def _one(model: Any, opt: Any, batch: Any, precision: str, shared: bool, trimmed
                                     progress=progress)
     finally:
         SharedCopy.keep = keep  # type: ignore[method-assign]
-        diag.run = real_run
-    return {"precision": precision, "shared": shared, "trimmed": trimmed, "s": round(time.perf_counter() - t0, 3),
-            "phases": phases, "cpu": cpu, "minor_faults": faults,
+    return {"precision": precision, "shared": shared, "s": round(time.perf_counter() - t0, 3), "phases": phases,
             "peak_above_start_gib": round(status_gib("VmHWM") - rss0, 3), "rss_start_gib": round(rss0, 3),
             "findings": [f.code for f in report.findings], "loss_target": report.summary.get("loss_target")}
 
@@ -129,8 +108,6 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=0, help="optimizer steps the user ran before the diagnose")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--diagnose", action="store_true", help="whole diagnoses instead of the copy alone")
-    ap.add_argument("--trim", action="store_true",
-                    help="whole diagnoses, no heap trim between the runs (default) vs the trim between them")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "shared_copy"))
     args = ap.parse_args()
@@ -155,16 +132,13 @@ def main() -> None:
     for r in range(args.rounds):
         for precision in args.precisions.split(","):
             for shared in ((True, False) if r % 2 == 0 else (False, True)):
-                if args.trim:  # ``shared`` stands for the variant: True = kept (no trim between), False = trimmed
-                    res = _one(model, opt, batch, precision, True, trimmed=not shared)
-                else:
-                    res = (_one if args.diagnose else _copy)(model, opt, batch, precision, shared)
+                res = (_one if args.diagnose else _copy)(model, opt, batch, precision, shared)
                 res["round"] = r
                 runs.append(res)
                 load.append(os.getloadavg()[0])
                 print(json.dumps(res), file=sys.stderr, flush=True)
-    out = {"kind": "trim" if args.trim else "diagnose" if args.diagnose else "copy", "config": args.config,
-           "params": n_params, "warm": args.warm, "rounds": args.rounds, "runs": runs,
+    out = {"kind": "diagnose" if args.diagnose else "copy", "config": args.config, "params": n_params,
+           "warm": args.warm, "rounds": args.rounds, "runs": runs,
            "load": [round(x, 2) for x in load], "torch": torch.__version__, "python": platform.python_version(),
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     runs_so_far: list[Any] = []
@@ -193,8 +167,6 @@ def render(out: dict[str, Any]) -> str:
                              f"({', '.join(str(r['prepare_s']) for r in rs)}) | "
                              f"{statistics.median(r['rss_added_gib'] for r in rs):.3f} GiB | {rs[0]['tensors_kept']} |")
         return "\n".join(lines) + "\n"
-    if out["kind"] == "trim":
-        return _render_trim(out, head)
     lines = head + ["| precision | copy | diagnose | reference | target | analysis | peak RSS above start | findings |",
              "|---|---|---|---|---|---|---|---|"]
     for precision in dict.fromkeys(r["precision"] for r in out["runs"]):
@@ -209,24 +181,6 @@ def render(out: dict[str, Any]) -> str:
                          f"{med('target'):.2f} s | {med('analysis'):.2f} s | "
                          f"{statistics.median(r['peak_above_start_gib'] for r in rs):.3f} GiB | "
                          f"{sorted(set(rs[0]['findings']))} |")
-    return "\n".join(lines) + "\n"
-
-
-def _render_trim(out: dict[str, Any], head: list[str]) -> str:
-    lines = head + ["| precision | heap between the runs | diagnose | target wall | target CPU | target minor faults | "
-                    "reference CPU | peak RSS above start |", "|---|---|---|---|---|---|---|---|"]
-    for precision in dict.fromkeys(r["precision"] for r in out["runs"]):
-        for trimmed in (True, False):
-            rs = [r for r in out["runs"] if r["precision"] == precision and r["trimmed"] == trimmed]
-
-            def med(part: str, key: str, rs: list[dict[str, Any]] = rs) -> float:
-                return statistics.median(r[part].get(key, float("nan")) for r in rs)
-
-            lines.append(f"| {precision} | {'trimmed (before)' if trimmed else 'kept (now)'} | "
-                         f"{statistics.median(r['s'] for r in rs):.2f} s | {med('phases', 'target'):.2f} s | "
-                         f"{med('cpu', 'target'):.2f} s ({', '.join(str(r['cpu']['target']) for r in rs)}) | "
-                         f"{med('minor_faults', 'target'):,.0f} | {med('cpu', 'reference'):.2f} s | "
-                         f"{statistics.median(r['peak_above_start_gib'] for r in rs):.3f} GiB |")
     return "\n".join(lines) + "\n"
 
 

@@ -284,8 +284,7 @@ def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: b
 
     ``reuse``: make the copy over the storages a previous run handed over; ``hand_over``: hand this run's copy's
     storages over to the next run when it is done (:class:`~ampdoctor.precision._shared_copy.SharedCopy`; the
-    diagnosis's reference, then its target) -- on the host its freed heap pages are then left to that run (no trim
-    after this one, :mod:`._heap`).
+    diagnosis's reference, then its target).
 
     The step is :mod:`ampdoctor.precision._step`'s (the one every caller runs), observed by the trace.
     Exceptions raised by the step are recorded in the result (a crash is part of a diagnosis), except an
@@ -308,10 +307,6 @@ def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: b
     if hand_over is not None:
         hand_over.keep(prep.model, prep.optimizer)
     if prep.device.type == "cpu":
-        del loop, observer, prep  # the copy goes now (nothing else refers to it)
-        if hand_over is None:  # its heap pages go back to the OS: the caller (or the analysis) runs next
-            release_free_heap()
-        # else the next run of this spec follows at once and allocates the same shapes again (its activations, its
-        # gradients): it reuses the freed pages where they stay resident instead of page-faulting them anew, and its
-        # own trim before its optimizer step and after it ends still hand back what is left over
+        del loop, observer, prep  # the copy goes now (nothing else refers to it): its heap pages go back before
+        release_free_heap()       # the next run allocates
     return result

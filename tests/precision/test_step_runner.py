@@ -308,19 +308,15 @@ def test_the_loops_loss_and_scale_reads_are_not_recorded(precision: str, scaler:
                     and r.phase == "optimizer"]
 
 
-def test_a_diagnosis_leaves_the_references_freed_heap_to_its_target(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Between the reference and the target the heap is not trimmed: the target allocates the same shapes again
-    (activations, gradients) and reuses the freed pages instead of page-faulting them anew. Each run still trims
-    before each step's optimizer, and the target once more after it ends (the analysis and the caller start from
-    what is left). A trim moves no value: the report is the one a diagnosis with no trim at all gives."""
+def test_a_diagnosis_trims_the_heap_between_its_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference's freed heap goes back to the OS before the target allocates: without that trim the target starts
+    from the reference's resident free pages and adds its own beside them (measured at 750M, fp16-amp: the target
+    started at 17.2 GiB RSS and peaked at 19.7 GiB, 1.55x a plain step, against 6.1 / 14.0 GiB with the trim)."""
     import sys
 
     from ampdoctor.precision import _runner
 
     spec = _spec("fp16-amp", scaler=True, steps=2)
-    kw = {"precision": "fp16-amp", "optimizer": spec.optimizer, "scaler": spec.scaler, "loss_fn": spec.loss_fn,
-          "steps": 2}
-    trimmed = ampdoctor.diagnose(spec.model, spec.batch, **kw)
     calls: list[str] = []
     real_run = _runner.run
 
@@ -330,9 +326,6 @@ def test_a_diagnosis_leaves_the_references_freed_heap_to_its_target(monkeypatch:
 
     monkeypatch.setattr(_runner, "release_free_heap", lambda: calls.append("trim") or True)
     monkeypatch.setattr(sys.modules["ampdoctor.diagnose"], "run", run_traced)
-    report = ampdoctor.diagnose(spec.model, spec.batch, **kw)
-    assert calls == ["reference", "trim", "trim", "target", "trim", "trim", "trim"], calls
-    assert report.summary["loss_target"] == trimmed.summary["loss_target"]
-    assert report.summary["loss_reference"] == trimmed.summary["loss_reference"]
-    assert [(f.code, f.module, f.op, f.evidence) for f in report.findings] == [
-        (f.code, f.module, f.op, f.evidence) for f in trimmed.findings]
+    ampdoctor.diagnose(spec.model, spec.batch, precision="fp16-amp", optimizer=spec.optimizer, scaler=spec.scaler,
+                       loss_fn=spec.loss_fn, steps=2)
+    assert calls == ["reference", "trim", "trim", "trim", "target", "trim", "trim", "trim"], calls
