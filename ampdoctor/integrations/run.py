@@ -121,14 +121,17 @@ class _Runner:
         that never reach the loss, like an unused head beside the forwarded submodule, are covered), else the
         one holding most of them."""
         params = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        best: tuple[int, int] | None = None
+        best: tuple[int, int, int] | None = None
         choice = default
         for m in self._objects(nn.Module):
             own = {id(p) for p in m.parameters()}
             covered = len(params & own)
             if not covered:
                 continue
-            key = (-covered, len(own))  # most of the optimizer's parameters, then the tightest module
+            # most of the optimizer's parameters, then the tightest module, then (the same parameters) the module
+            # being called or a DDP wrapper over it: the watch of a DDP job must see the wrapper (its ranks agree)
+            outer = m is default or isinstance(m, nn.parallel.DistributedDataParallel)
+            key = (-covered, len(own), 0 if outer else 1)
             if best is None or key < best:
                 best, choice = key, m
         return choice

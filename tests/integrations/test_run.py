@@ -209,3 +209,19 @@ def test_run_failure_at_step_0_and_5_replays_in_process_and_from_the_file(script
     import json
 
     assert json.loads((tmp_path / "r.json").read_text())["findings"][0]["code"] == "nonfinite-input"
+
+
+def test_owner_of_an_optimizer_is_the_called_module_when_a_wrapper_holds_the_same_parameters() -> None:
+    """A wrapper (DDP, or any module around one child) holds exactly its child's parameters: the watch goes on the
+    module the script calls, which the runner saw first (and on a DDP wrapper, so that the ranks agree), not on
+    whichever of the two ``gc`` lists first."""
+    from torch import nn
+
+    from ampdoctor.integrations.run import _Runner
+
+    for _ in range(3):
+        inner = nn.Linear(4, 4)
+        outer = nn.Sequential(inner)
+        opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+        assert _Runner("", {})._owner(opt, outer) is outer
+        assert _Runner("", {})._owner(opt, inner) is inner

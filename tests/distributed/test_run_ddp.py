@@ -1,0 +1,25 @@
+"""``ampdoctor run`` on a DDP training script (gloo, 2 ranks) whose rank 1 alone gets unnormalised data from step 2
+(x 1e5: autocast's fp16 cast overflows in the first Linear; DDP's all-reduce gives rank 0 the inf gradients too, and
+GradScaler skips the steps on both ranks). The runner must watch the DDP wrapper, not the inner module holding the
+same parameters (it chose between them by gc order), so the ranks' agreement is on; rank 1's replay names the
+Linear and its cast, and no rank hangs."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from tests.distributed._run_workers import run_ddp_script
+from tests.distributed._workers import launch
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+
+
+def test_run_watches_the_ddp_wrapper_and_rank1_names_the_overflowing_linear() -> None:
+    r0, r1 = launch(run_ddp_script, 2, timeout=240.0)
+    assert [r0["rank"], r1["rank"]] == [0, 1] and r0["world_size"] == r1["world_size"] == 2
+    assert r0["script"] == r1["script"] == {"status": "completed"}
+    code, severity, module, op, phase = r1["findings"][0]
+    assert (code, severity, module, op) == ("overflow", "error", "0", "aten._to_copy.default"), r1["findings"]
+    assert "forward" in phase
+    assert any(f[0] == "loss-scale-collapse" and f[1] == "error" for f in r0["findings"]), r0["findings"]
