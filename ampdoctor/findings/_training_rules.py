@@ -54,6 +54,15 @@ def low_precision_params(ctx: Context) -> list[Candidate]:
     (applied / exact update), ``ulp_at_1``, ``fraction_lost_fp32`` and ``applied_fp32`` (the reference's same write),
     and ``update_factor`` / ``update_factor_op`` when a literal factor of the write or its feeders (2 hops) that is
     below the dtype's spacing at 1.0 scaled the update (an EMA's ``(1 - decay) * (e - p)``: 1e-4 for decay 0.9999).
+
+    **Lost, blown up or non-finite.** ``update_is`` says which the write log and the reference show: ``lost``
+    (above), ``blown_up`` -- a 16-bit write that applies more than 8x the update of the fp32 reference's same write
+    (Adam on fp16 state whose ``grad**2`` flushed to 0 divides by eps alone: ``m / eps``, thousands of times the
+    fp32 step; its own wider re-run, fed the same flushed state, cannot see this) with ``applied_vs_fp32``,
+    ``mean_applied``, ``mean_applied_fp32``, ``eps`` / ``eps_in_dtype`` and ``flushed_input`` (the feeder that
+    flushed, 6 hops) -- or ``nonfinite`` (eps is 0 in the dtype: ``m / 0`` is inf, the optimizer-overflow finding
+    above). In a step a blown-up write ranks before a lost one (the lost update of a weight already thrown far is
+    its consequence).
     """
     out: list[Candidate] = []
     seen: set[str] = set()
@@ -87,6 +96,10 @@ def _optimizer_overflow(ctx: Context, r: OpRecord) -> Candidate:
     if isinstance(eps, float):
         expl += (f" Its eps={eps:g} is {fmt(ev['eps_in_dtype'])} in {dtype_name(r.dtype)} (smallest subnormal "
                  f"{fmt(limits(r.dtype)[2])}), so the denominator sqrt(v) + eps is 0 where grad**2 underflowed.")
+    if ev.get("eps_in_dtype") == 0.0:
+        ev["update_is"] = "nonfinite"
+        expl += (" The update m / 0 is not lost to rounding but infinite (0 / 0 = NaN where m is 0 as well); fp32, "
+                 "where eps and grad**2 are nonzero, takes a step of about the learning rate.")
     fixes = (_master_fix(),
              FixProposal("if the weights must stay low precision, use an eps the dtype can hold",
                          "torch.optim.Adam(params, eps=1e-4)  # fp16 holds 1e-4, not 1e-8"))

@@ -20,16 +20,21 @@ import math
 import os
 from typing import Any
 
-from ampdoctor.findings._common import HALF, feeders, fmt, op_base
+import torch
+
+from ampdoctor.findings._common import HALF, feeders, fmt, limits, op_base
 from ampdoctor.findings._context import Context
 from ampdoctor.findings._registry import Candidate
 from ampdoctor.findings._types import Finding, FixProposal
-from ampdoctor.trace import Role, WriteRecord, unit_roundoff
+from ampdoctor.trace import DTYPES, OpRecord, Role, WriteRecord, unit_roundoff
 
 #: a write loses its update when more than this fraction of the elements it should change keep their value
 LOST_FRACTION = 0.5
 #: ... or when the update it applies is off the exact one by more than this factor
 DEVIATION = 2.0
+#: a write blows its update up when it applies more than this many times the fp32 reference's same write (Adam on
+#: fp16 state: grad**2 flushed to 0, so the step is m / eps -- or m / 0, an inf the overflow path reports)
+BLOWN_UP = 8.0
 
 
 def _src(w: WriteRecord) -> str:
@@ -96,6 +101,22 @@ def _lost(w: WriteRecord) -> bool:
     return w.fraction_lost > LOST_FRACTION or not 1 / DEVIATION <= ratio <= DEVIATION
 
 
+def _blown_up(ctx: Context, w: WriteRecord, ref: WriteRecord | None) -> float | None:
+    """``applied / applied_fp32`` when a 16-bit write applies more than :data:`BLOWN_UP` times the update of the
+    fp32 reference's same write (both finite; a ratio a loss scale explains is ``loss-scaling-misuse``'s), else
+    None. The write log's own re-run cannot see this: computed wider from the same flushed inputs, the exact update
+    is as large."""
+    if ref is None or w.dtype not in HALF:
+        return None
+    a, r = w.stats.get("applied", math.nan), ref.stats.get("applied", math.nan)
+    if not (math.isfinite(a) and math.isfinite(r) and r > 0 and a > BLOWN_UP * r):
+        return None
+    scales = ctx.target.step_scales
+    if w.step < len(scales) and _scale_ratio(a, r, scales[w.step]) is not None:
+        return None
+    return a / r
+
+
 def _fixes(w: WriteRecord, master: FixProposal) -> tuple[FixProposal, ...]:
     if w.target == "buffer":
         return (FixProposal(f"keep {w.name} in float32 (updates of {w.dtype} state below half an ulp vanish)",
@@ -113,52 +134,119 @@ def _lost_mass(w: WriteRecord) -> float:
     return s["intended"] / s["moving"] * w.fraction_lost if s.get("moving") else 0.0
 
 
-def _worst_per_owner(ctx: Context, seen: set[str]) -> list[tuple[WriteRecord, WriteRecord | None]]:
-    """Per owning module not in ``seen``: its first step with a lost write, and there the write that drops the
-    largest update (AdamW's weight decay ``mul_(1 - lr * wd)`` and its ``addcdiv_`` can both be lost)."""
+def _rank(w: WriteRecord, blown: float | None) -> tuple[int, float]:
+    """Within a step a blown-up write ranks before a lost one (a lost update of a weight the blow-up already moved
+    far is its consequence), then the larger excess / lost update."""
+    s = w.stats
+    return (0, -blown) if blown is not None else (1, -_lost_mass(w) if s.get("moving") else 0.0)
+
+
+def _worst_per_owner(ctx: Context, seen: set[str]) -> list[tuple[WriteRecord, WriteRecord | None, float | None]]:
+    """Per owning module not in ``seen``: its first step with a lost or blown-up write, and there the write that
+    blows up most, else drops the largest update (AdamW's weight decay ``mul_(1 - lr * wd)`` and its ``addcdiv_``
+    can both be lost). Each with its reference write and its blow-up ratio (None for a lost one)."""
     refs = _ref_writes(ctx)
-    best: dict[str, tuple[WriteRecord, WriteRecord | None]] = {}
+    best: dict[str, tuple[WriteRecord, WriteRecord | None, float | None]] = {}
     for w in ctx.target.trace.writes:
-        if w.owner in seen or not _lost(w):
+        if w.owner in seen:
             continue
         ref = refs.get(w.key)
-        if ref is not None and (ref.fraction_lost > LOST_FRACTION or not ref.stats.get("changed")):
-            continue  # fp32 loses it too (or the reference's write changes nothing): not the stored precision
+        blown = _blown_up(ctx, w, ref)
+        if blown is None:
+            if not _lost(w):
+                continue
+            if ref is not None and (ref.fraction_lost > LOST_FRACTION or not ref.stats.get("changed")):
+                continue  # fp32 loses it too (or the reference's write changes nothing): not the stored precision
         old = best.get(w.owner)
-        if old is None or (w.step == old[0].step and _lost_mass(w) > _lost_mass(old[0])):
-            best[w.owner] = (w, ref)
+        if old is None or (w.step == old[0].step and _rank(w, blown) < _rank(old[0], old[2])):
+            best[w.owner] = (w, ref, blown)
     return list(best.values())
 
 
 def lost_updates(ctx: Context, seen: set[str], master: FixProposal) -> list[Candidate]:
-    """``low-precision-params`` at each write into fp16/bf16 module state that rounds its update away: one per
-    owning module not in ``seen`` (which it extends). Within a step, the write dropping the largest update ranks
-    first (the positions of the step's lost writes are handed out in that order)."""
+    """``low-precision-params`` at each write into fp16/bf16 module state that rounds its update away or blows it
+    up against the fp32 reference: one per owning module not in ``seen`` (which it extends). Within a step, a
+    blown-up write ranks first, then the write dropping the largest update (the positions of the step's writes
+    are handed out in that order)."""
     found = _worst_per_owner(ctx, seen)
     slots: dict[int, list[int]] = {}
-    for w, _ in found:
+    for w, _, _ in found:
         slots.setdefault(w.step, []).append(w.index)
     for v in slots.values():
         v.sort(reverse=True)
     out: list[Candidate] = []
-    for w, ref in sorted(found, key=lambda p: (p[0].step, -_lost_mass(p[0]))):
+    for w, ref, blown in sorted(found, key=lambda p: (p[0].step, _rank(p[0], p[2]))):
         seen.add(w.owner)
         ev = _evidence(w, ref)
-        factor = _small_factor(ctx, w)
-        if factor is not None:
-            ev["update_factor"], ev["update_factor_op"] = factor
-        what = {"parameter": "parameter", "buffer": "buffer", "grad": "accumulated gradient of"}[w.target]
-        expl = (f"In step {w.step}, {_where(w)} writes the {w.dtype} {what} {w.name}: {w.fraction_lost:.0%} of the "
-                f"{ev['moving']} elements it should change kept their old value and the update it applied is "
-                f"{ev['applied_ratio']:.0%} of the exact one (mean exact update {fmt(ev['mean_update'])}; the ulp "
-                f"at 1.0 is {fmt(ev['ulp_at_1'])}, so any update below half an ulp of the stored value rounds "
-                "away)" + (f"; the fp32 reference's same write loses {ref.fraction_lost:.0%}" if ref else "")
-                + ". The update is silently dropped." + _factor_text(factor, w.dtype))
-        title = (f"{w.owner or '<root>'}: {w.dtype} {w.target} updates by {w.op.split('.')[1]} are lost to "
-                 f"rounding")
-        out.append(Candidate(Finding("low-precision-params", "error", w.owner, w.op, w.phase, title, expl, ev,
-                                     _fixes(w, master), w.step), slots[w.step].pop()))
+        if blown is None:
+            finding = _lost_finding(ctx, w, ref, ev, master)
+        else:
+            finding = _blown_finding(ctx, w, blown, ev, master)
+        out.append(Candidate(finding, slots[w.step].pop()))
     return out
+
+
+_WHAT = {"parameter": "parameter", "buffer": "buffer", "grad": "accumulated gradient of"}
+
+
+def _lost_finding(ctx: Context, w: WriteRecord, ref: WriteRecord | None, ev: dict[str, Any],
+                  master: FixProposal) -> Finding:
+    factor = _small_factor(ctx, w)
+    if factor is not None:
+        ev["update_factor"], ev["update_factor_op"] = factor
+    ev["update_is"] = "lost"
+    expl = (f"In step {w.step}, {_where(w)} writes the {w.dtype} {_WHAT[w.target]} {w.name}: {w.fraction_lost:.0%} of "
+            f"the {ev['moving']} elements it should change kept their old value and the update it applied is "
+            f"{ev['applied_ratio']:.0%} of the exact one (mean exact update {fmt(ev['mean_update'])}; the ulp "
+            f"at 1.0 is {fmt(ev['ulp_at_1'])}, so any update below half an ulp of the stored value rounds "
+            "away)" + (f"; the fp32 reference's same write loses {ref.fraction_lost:.0%}" if ref else "")
+            + ". The update is silently dropped." + _factor_text(factor, w.dtype))
+    title = f"{w.owner or '<root>'}: {w.dtype} {w.target} updates by {w.op.split('.')[1]} are lost to rounding"
+    return Finding("low-precision-params", "error", w.owner, w.op, w.phase, title, expl, ev, _fixes(w, master),
+                   w.step)
+
+
+def _flushed_feeder(ctx: Context, w: WriteRecord) -> OpRecord | None:
+    """The record feeding the write (6 hops: ``addcdiv_(p, m, sqrt(v) / c + eps)`` with ``v`` from
+    ``addcmul_(g, g)``) that flushed most of its values to 0 where the reference's are nonzero: an underflow origin
+    (its inputs were not flushed yet) first, else the nearest."""
+    if not 0 <= w.index < len(ctx.records) or ctx.records[w.index].op != w.op:
+        return None
+    flushed = [x for x in feeders(ctx.records, ctx.records[w.index], 6) if ctx.flushed.get(x.index)]
+    origins = {r.index for r, *_ in ctx.underflow_origins}
+    return next((x for x in flushed if x.index in origins), flushed[0] if flushed else None)
+
+
+def _blown_finding(ctx: Context, w: WriteRecord, ratio: float, ev: dict[str, Any], master: FixProposal) -> Finding:
+    """A 16-bit write whose update is ``ratio`` times the fp32 reference's: the update is too large, not lost."""
+    n = max(w.stats.get("numel", 0.0), 1.0)
+    ev.update({"update_is": "blown_up", "applied_vs_fp32": ratio, "mean_applied": w.stats["applied"] / n,
+               "mean_applied_fp32": ev["applied_fp32"] / n})
+    eps = ctx.target.optimizer_info.get("defaults", {}).get("eps") if w.phase == "optimizer" else None
+    flushed = _flushed_feeder(ctx, w)
+    cause = ""
+    if flushed is not None:
+        ev["flushed_input"] = ctx.describe(flushed)
+        cause = (f" Its denominator comes from {flushed.op} in {flushed.module or '<root>'}, which flushes most of "
+                 f"its values to 0 in {w.dtype} (below the smallest subnormal {fmt(limits(w.dtype)[2])}; "
+                 "for Adam: grad**2) where fp32 keeps them")
+    if isinstance(eps, float):
+        in_dt = float(torch.tensor(eps).to(DTYPES[w.dtype].dtype).float())
+        ev["eps"], ev["eps_in_dtype"] = eps, in_dt
+        cause += ((", so " if cause else " ") + f"the division is by eps={eps:g} ({fmt(in_dt)} in {w.dtype}) "
+                  "instead of sqrt(v) + eps: each update is about m / eps")
+    expl = (f"In step {w.step}, {_where(w)} writes the {w.dtype} {_WHAT[w.target]} {w.name} with an update "
+            f"{fmt(ratio)} times the fp32 reference's same write (mean |update| per element "
+            f"{fmt(ev['mean_applied'])} against {fmt(ev['mean_applied_fp32'])}): the update is not lost to rounding "
+            "but blown up." + (cause + "." if cause else "")
+            + " The weights jump far from where fp32 training takes them.")
+    title = (f"{w.owner or '<root>'}: {w.dtype} {w.target} updates by {w.op.split('.')[1]} are {fmt(ratio)}x "
+             "the fp32 update (blown up)")
+    fixes = _fixes(w, master)
+    if isinstance(eps, float) and w.dtype == "float16":
+        fixes += (FixProposal("if the weights must stay low precision, use an eps the dtype can hold",
+                              "torch.optim.Adam(params, eps=1e-4)  # fp16 holds 1e-4 next to a flushed grad**2"),)
+    return Finding("low-precision-params", "error", w.owner, w.op, w.phase, title, expl, ev, fixes, w.step)
 
 
 def _scale_ratio(target: float, ref: float, scale: float) -> float | None:
