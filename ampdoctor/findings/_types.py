@@ -61,6 +61,7 @@ CODES: tuple[str, ...] = (
     "fp8-scale",
     "nonfinite-input",
     "nonfinite-reference",
+    "reference-diverges",
 )
 
 #: Version of the JSON document produced by :meth:`Report.to_dict` (see ``ampdoctor/report/schema.json``).
