@@ -156,23 +156,77 @@ def decision_changes(ctx: Context) -> list[dict[str, Any]]:
     return out
 
 
+def _decision_sites(ctx: Context, d: Any) -> list[OpRecord]:
+    """The decision input and its op feeders (4 hops) computed in a low precision, the decision's own module's first
+    and of them those with a low-precision output (see :func:`decision_source`); ``[]`` when none is low."""
+    if not 0 <= d.input_index < len(ctx.records):
+        return []
+    ops = _low_ops(ctx, ctx.records[d.input_index], 4)
+    local = [x for x in ops if _inside(x.module, d.module)] or ops
+    return [x for x in local if is_low(x.dtype)] or local
+
+
 def decision_source(ctx: Context, d: Any) -> OpRecord | None:
     """The op a changed decision is blamed on: among the decision input and its op feeders (4 hops, through
     views and casts) computed in a low precision -- those inside the decision's own module when there are any (the
     scores it compares are computed there; an input rounded upstream is not what decides) and of them the ones
     whose *output* is low precision (where a value is rounded) when there are any -- the one with the largest own
-    element error, else the nearest of them; the input itself when none is low precision."""
+    element error, else the nearest of them; the input itself when none is low precision. A softmax / exp right
+    before the decision is weighed against its input by condition numbers: blamed itself when its inputs are below
+    1 in magnitude, its producer when the input's rounding carried through dominates (:func:`input_rounding`)."""
     if not 0 <= d.input_index < len(ctx.records):
         return None
-    start = ctx.records[d.input_index]
-    ops = _low_ops(ctx, start, 4)
-    if not ops:
-        return start
-    local = [x for x in ops if _inside(x.module, d.module)] or ops
-    sites = [x for x in local if is_low(x.dtype)] or local
+    sites = _decision_sites(ctx, d)
+    if not sites:
+        return ctx.records[d.input_index]
     if _rounds_coarser_than_its_input(ctx, sites[0]):
         return sites[0]
+    if input_rounding(ctx, d) is not None:
+        return sites[1]  # the nearest feeder whose low-precision output holds the rounded logits
     return _largest_own(ctx, sites, sites[0])
+
+
+#: the input's rounding carried through must exceed the softmax's own by this factor to move the blame upstream
+CONDITION_MARGIN = 4.0
+
+
+def input_rounding(ctx: Context, d: Any) -> dict[str, Any] | None:
+    """For a decision right after a low-precision softmax / exp whose low-precision input's own rounding, carried
+    through, exceeds the op's own: ``{"softmax", "producer", "input_absmax", "input_spread", "carried", "own"}``.
+    An input rounded at ``|l| u_in`` moves each probability by that much relatively (``d p / p = d l``); the
+    softmax's own rounding is ``u`` times its relative condition on the shifted inputs, at most the input's spread
+    ``max l - min l`` (``|l - max l|`` in a row) or 1. Logits on a large common offset (|l| ~60, bf16 spacing 0.25,
+    differences ~0.05) are decided by the op that rounded them, not by the softmax."""
+    sites = _decision_sites(ctx, d)
+    if len(sites) < 2:
+        return None
+    x = sites[0]
+    if op_base(x.op) not in CONDITION_BY_INPUT or not is_low(x.dtype) or not x.inputs:
+        return None
+    i = x.inputs[0]
+    if not 0 <= i < len(ctx.records):
+        return None
+    src = ctx.records[i]
+    amax, spread = src.stats.get("absmax", math.nan), _spread(src.stats)
+    if not is_low(src.dtype) or not (math.isfinite(amax) and math.isfinite(spread)):
+        return None
+    carried = amax * unit_roundoff(dtype_name(src.dtype))
+    own = max(spread, 1.0) * unit_roundoff(dtype_name(x.dtype))
+    if carried <= CONDITION_MARGIN * own:
+        return None
+    return {"softmax": x.op, "producer": sites[1].op, "input_absmax": amax, "input_spread": spread,
+            "carried": carried, "own": own}
+
+
+def _spread(s: dict[str, float]) -> float:
+    """``max - min`` of a record's values: from the cheap tier's range, else bounded by the magnitudes (``|x|`` in
+    ``[min_nonzero, absmax]`` with no zeros: values of one sign differ by at most ``absmax - min_nonzero``; a
+    common offset is what makes that small)."""
+    if "min" in s and "max" in s:
+        return s["max"] - s["min"]
+    if s.get("n_zero", 1.0) > 0 or "min_nonzero" not in s:
+        return s.get("absmax", math.nan)
+    return s.get("absmax", math.nan) - s["min_nonzero"]
 
 
 def _rounds_coarser_than_its_input(ctx: Context, x: OpRecord) -> bool:

@@ -32,6 +32,7 @@ from ampdoctor.findings._elementwise import (
     decision_source,
     decision_steers,
     element_loss_records,
+    input_rounding,
 )
 from ampdoctor.findings._integer_values import integer_rounding_findings
 from ampdoctor.findings._registry import Candidate, rule
@@ -98,7 +99,10 @@ def precision_loss(ctx: Context) -> list[Candidate]:
     module the op that rounds the scores is blamed before an upstream input's rounding, and a low-precision softmax or
     exp of inputs below 1 in magnitude (relative condition number ``|input| < 1``: rounding its result is coarser
     than its input's rounding carried through -- a near-uniform router's bf16 probabilities) right before the
-    decision is blamed itself. It is an ``error`` when at
+    decision is blamed itself; its producer is blamed instead when the input's own rounding carried through
+    (``|l| u``) exceeds 4x the softmax's (``u`` times its condition ``|l - max l|``, bounded by the input's spread,
+    or 1): logits on a large common offset (|l| ~60, bf16 spacing 0.25, differences ~0.05), evidence
+    ``input_rounding``. It is an ``error`` when at
     least 5% of the rows (and 2) choose differently and later ops pick values with the chosen indices
     (``indexed_by``: ``x[idx]``, a gather, an embedding lookup -- an MoE router's experts, a VQ codebook's codes):
     those rows take a different computation, not a rounded one. An amplifier (``sin``, ``cos``,
@@ -359,6 +363,15 @@ def _decision_findings(ctx: Context) -> list[Candidate]:
             ev["elementwise"] = ctx.element_errors[src.index]
         tie_txt = (f" {ev['ties_created']} row(s) hold exact ties in {dt} that fp32 tells apart (distinct values "
                    "that round to the same number)." if ev.get("ties_created") else "")
+        rounding = input_rounding(ctx, d)
+        if rounding is not None and rounding["producer"] == src.op:
+            ev["input_rounding"] = rounding
+            tie_txt += (f" The {op_base(rounding['softmax'])} after it is not what decides: its inputs sit on a common "
+                        f"offset (|l| up to {fmt(rounding['input_absmax'])}, spread <= "
+                        f"{fmt(rounding['input_spread'])}), so rounding them moves each probability by up to "
+                        f"{fmt(rounding['carried'])} relatively, more than the softmax's own rounding "
+                        f"({fmt(rounding['own'])}). Subtracting the offset (or the row max) before rounding, or these "
+                        "logits in float32, keeps the choice.")
         expl = (f"{d.op} in {d.module or '<root>'} ({d.phase}, step 0) chooses differently from the fp32 reference "
                 f"in {n} of {rows} row(s) (e.g. row {ch['examples'][0]['row']}: {ch['examples'][0]['target']} vs "
                 f"{ch['examples'][0]['reference']}). The scores it compares come from {where(src)}, computed in "
@@ -370,8 +383,9 @@ def _decision_findings(ctx: Context) -> list[Candidate]:
                      "float32 -- not rounding noise but a different computation.")
         fixes = [FixProposal("compute the scores that are compared in float32",
                              "scores = layer(x.float()) if needed; idx = scores.float().argmax(-1)")]
-        if src.module:
-            fixes.insert(0, keep_fp32_fix(src.module))
+        keep = d.module if "input_rounding" in ev and d.module else src.module  # src's output is cast back
+        if keep:
+            fixes.insert(0, keep_fp32_fix(keep))
         out.append(Candidate(Finding(
             "precision-loss", "error" if severe else "warning", src.module, src.op, src.phase,
             f"{op_base(d.op)} picks differently in {dt} for {n}/{rows} rows in {d.module or '<root>'}", expl, ev,
