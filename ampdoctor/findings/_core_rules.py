@@ -58,6 +58,16 @@ def _loss_scale_at(ctx: Context, step: int) -> float | None:
     return before[step] if step < len(before) else None
 
 
+def backoff_severity(ctx: Context, step: int) -> str:
+    """Severity of an inf that only the loss scale made at ``step``: ``info`` while GradScaler calibrates (every
+    step up to this one was skipped, the scale halving from its initial value: what GradScaler does by design),
+    ``warning`` for a back-off later in the run (the gradients grew)."""
+    first = _loss_scale_at(ctx, 0)
+    before = [first, *ctx.scales] if first is not None else []
+    calibrating = len(before) > step and all(before[j + 1] < before[j] for j in range(step))
+    return "info" if calibrating else "warning"
+
+
 def _state_twin(ctx: Context, r: OpRecord) -> OpRecord | None:
     """The reference's record of ``r``'s op at the step whose weights the target's step ran on. Each step GradScaler
     skipped left the target's weights where they were while the reference (no scaler) applied its update: after
@@ -115,7 +125,11 @@ def overflow(ctx: Context) -> list[Candidate]:
     beyond max + half a spacing is one too (``findings/_fp8_casts``).
     An inf that a guard catches (clamp, clip, ``nan_to_num``, ``where(isinf...)``, a saturating cast; T5's fp16
     clamp) is still an overflow at the op that made it, with ``caught_by`` (op, module, bounds, in_reference) in
-    evidence, even when nothing downstream is inf; a guard that never clips is not reported."""
+    evidence, even when nothing downstream is inf; a guard that never clips is not reported.
+    A backward inf that only the loss scale makes (unscaled, the fp32 value fits: ``loss_scale``,
+    ``unscaled_absmax``) is GradScaler's back-off, no error: ``info`` while it calibrates (every step so far was
+    skipped, the scale halving from its initial 65536 -- normal behaviour), a ``warning`` when it happens later
+    (the gradients grew); so is the ``nan-from-inf`` it makes."""
     # long: the docstring is this code's entry in docs/codes.md
     out: list[Candidate] = fp8_clip_candidates(ctx, "overflow") + caught_candidates(ctx, _overflow_fixes)  # fp8, guards
     fp8_done = fp8_handled(ctx) | caught_handled(ctx)
@@ -157,7 +171,7 @@ def overflow(ctx: Context) -> list[Candidate]:
         scale = scale_explains(ctx, r)
         if scale is not None:
             # only the loss scale pushes this gradient over the max: GradScaler skips the step and backs off
-            severity = "warning"
+            severity = backoff_severity(ctx, r.step)
             ev["loss_scale"] = scale
             ev["unscaled_absmax"] = unscaled_absmax(ctx, r, scale)
             expl += (f" The gradient is multiplied by the loss scale {fmt(scale)}; unscaled it is "
@@ -216,7 +230,7 @@ def nan_from_inf(ctx: Context) -> list[Candidate]:
         expl = (f"{where(nan)} receives {inf_in} inf value(s) that started at {where(o.record)} and returns "
                 f"{int(nan.stats['n_nan'])} NaN (inf - inf, inf * 0 or inf/inf). Fix the origin, not this op.")
         # NaN made from a gradient that only the loss scale pushed over the max: GradScaler skips this step
-        severity = "warning" if scale_explains(ctx, o.record) is not None else "error"
+        severity = backoff_severity(ctx, o.record.step) if scale_explains(ctx, o.record) is not None else "error"
         out.append(Candidate(Finding(
             "nan-from-inf", severity, nan.module, nan.op, nan.phase,
             f"inf becomes NaN at {op_base(nan.op)} in {nan.module or '<root>'}", expl, ev, (), nan.step),

@@ -154,7 +154,8 @@ def test_scaler_backing_off_from_65536_under_a_high_lr_is_no_collapse() -> None:
     ref = report.summary["loss_reference"]
     assert ref[-1] < ref[0] / 4  # and the fp32 reference goes down
     backoff = [f for f in report.findings if f.code == "overflow"]
-    assert backoff and all(f.severity == "warning" and f.phase == "backward" and f.evidence["unscaled_absmax"] < 65504
+    # calibration from 65536 (steps 0-5 all skipped): GradScaler's normal behaviour, info
+    assert backoff and all(f.severity == "info" and f.phase == "backward" and f.evidence["unscaled_absmax"] < 65504
                            for f in backoff)
 
 
