@@ -500,7 +500,7 @@ def _diagnose_softcap(loss_factor: float) -> ampdoctor.Report:
 
 def test_loss_scale_calibration_overflow_at_root_code_is_not_an_error() -> None:
     """GradScaler's first scale (65536) pushes the gradient into the fp16 logits past fp16's max while the unscaled
-    gradient (~60) fits: calibration (info with the scale: GradScaler's first step), never an error. The backward cast of
+    gradient (~60) fits: calibration (info with the scale: its first step), never an error. The backward cast of
     ``out.float()`` has no reference twin (no cast in fp32), and the root's soft-cap ``mul`` sits next to
     ``scaler.scale(loss)``'s: both need the reference aligned and the cast judged by its own input."""
     report = _diagnose_softcap(1.0)
