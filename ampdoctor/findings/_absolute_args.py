@@ -222,6 +222,13 @@ def _explanation(ctx: Context, hit: LostArgument) -> str:
     return head + body
 
 
+def _returns_model_output(ctx: Context, module: str) -> bool:
+    """Whether ``module``'s result is the model's output: the op producing a returned tensor ran inside it."""
+    marks = set(ctx.target.trace.marks.get("output", []))
+    return any(r.index in marks and (r.module == module or r.module.startswith(module + "."))
+               for r in ctx.records)
+
+
 def absolute_arg_findings(ctx: Context, skip: set[int]) -> list[Candidate]:
     """``precision-loss`` errors, one per rounding origin (:func:`lost_arguments`)."""
     out: list[Candidate] = []
@@ -249,7 +256,7 @@ def absolute_arg_findings(ctx: Context, skip: set[int]) -> list[Candidate]:
                  FixProposal("compute the argument in float32 with autocast off",
                              "with torch.autocast(device_type, enabled=False):\n    ang = pos.float() @ freqs.float()")]
         if o.module:
-            fixes.append(keep_fp32_fix(o.module))
+            fixes.append(keep_fp32_fix(o.module, fp32_outputs=_returns_model_output(ctx, o.module)))
         what = "loses their phase" if periodic else "loses their differences"
         out.append(Candidate(Finding(
             "precision-loss", "error", o.module, o.op, o.phase,

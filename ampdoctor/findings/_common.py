@@ -130,7 +130,15 @@ def base_evidence(r: OpRecord) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------- fixes
-def keep_fp32_fix(module: str) -> FixProposal:
+def keep_fp32_fix(module: str, *, fp32_outputs: bool = False) -> FixProposal:
+    """Run ``module`` in float32; ``fp32_outputs``: its outputs stay float32 after a whole-model cast (a module whose
+    output is the model's: casting it back would redo the rounding)."""
+    if fp32_outputs:
+        return FixProposal(
+            title=f"run `{module}` in float32 and return its output in float32 (it is the model's output)",
+            snippet=f"ampdoctor.fix(model, report, which='keep_fp32')  # or: {module}.float() and call it on "
+                    "x.float(), without casting its result back",
+            id="keep_fp32", params={"modules": [module], "outputs": "float32"})
     return FixProposal(
         title=f"run `{module}` in float32 (autocast disabled inside it, inputs upcast)",
         snippet=f"ampdoctor.fix(model, report, which='keep_fp32')  # or wrap {module}.forward in "

@@ -145,22 +145,31 @@ def _qual(mods: list[str]) -> str:
 
 
 @register_fix("keep_fp32", summary="run named modules in float32 (autocast off, inputs upcast, fp32 weights)",
-              params=("modules", "module"))
+              params=("modules", "module", "outputs"))
 def keep_fp32(params: dict[str, Any], ctx: FixContext) -> FixPlan:
     mods = modules_param(params, ctx, "keep_fp32")
-    whole = ctx.precision in ("fp16", "bf16")
+    outputs = params.get("outputs", "model dtype")
+    if outputs not in ("model dtype", "float32"):
+        raise ValueError(f"fix 'keep_fp32': params['outputs'] must be 'model dtype' (cast back after a whole-model "
+                         f"cast, the default) or 'float32' (a module whose output is the model's), got {outputs!r}")
+    whole, fp32_out = ctx.precision in ("fp16", "bf16"), outputs == "float32"
     desc = f"run {_qual(mods)} in float32: autocast disabled inside, inputs upcast to float32"
-    desc += (", parameters kept float32 after the model cast, outputs cast back to the model's dtype" if whole
-             else ", outputs left in float32 for autocast to narrow where the next op runs in low precision")
+    if whole and fp32_out:
+        desc += ", parameters kept float32 after the model cast, outputs left in float32 (the model's output)"
+    else:
+        desc += (", parameters kept float32 after the model cast, outputs cast back to the model's dtype" if whole
+                 else ", outputs left in float32 for autocast to narrow where the next op runs in low precision")
+    params_out: dict[str, Any] = {"modules": mods, **({"outputs": outputs} if fp32_out else {})}
+    transform = KeepFp32(tuple(mods), fp32_outputs=fp32_out)
     m0 = mods[0]
     if str(ctx.precision).startswith("fp8"):  # fp8: the module's linears leave fp8 and run unquantised
         desc = f"run {_qual(mods)} outside fp8: its linears unquantised, in float32"
-        return FixPlan("keep_fp32", {"modules": mods}, desc,
+        return FixPlan("keep_fp32", params_out, desc,
                        "import transformer_engine.pytorch as te\n\n"
                        f"module = model.get_submodule({m0!r})\nforward = module.forward\n\n"
                        "def forward_high_precision(*args, **kwargs):\n"
                        "    with te.fp8_autocast(enabled=False):\n        return forward(*args, **kwargs)\n\n"
-                       "module.forward = forward_high_precision", (KeepFp32(tuple(mods)),))
+                       "module.forward = forward_high_precision", (transform,))
     snippet = (f"module = model.get_submodule({m0!r})\n"
                "forward = module.forward\n\n"
                "def forward_fp32(*args, **kwargs):\n"
@@ -168,10 +177,11 @@ def keep_fp32(params: dict[str, Any], ctx: FixContext) -> FixPlan:
                "    args = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]\n"
                "    with torch.autocast(device_type, enabled=False):\n"
                "        out = forward(*args, **kwargs)\n"
-               + ("    return out.to(dtype) if dtype is not None else out\n\n" if whole else "    return out\n\n")
+               + ("    return out.to(dtype) if dtype is not None else out\n\n" if whole and not fp32_out
+                  else "    return out\n\n")
                + ("module.float()  # after model.half(): keep this module's weights in fp32\n" if whole else "")
                + "module.forward = forward_fp32")
-    return FixPlan("keep_fp32", {"modules": mods}, desc, snippet, (KeepFp32(tuple(mods)),))
+    return FixPlan("keep_fp32", params_out, desc, snippet, (transform,))
 
 
 @register_fix("switch_precision", summary="train in another precision (bf16 / bf16-amp: fp32's exponent range)",

@@ -126,14 +126,17 @@ class _Scope:
     Pre hook: note whether autocast is on and the low dtype of the inputs; enter ``autocast(enabled=False)``
     and/or a torch-function mode; cast fp16/bf16 inputs to float32 when ``upcast_inputs``. Post hook (also on
     exceptions): leave the contexts in reverse order; when autocast was off (a whole-model fp16/bf16 cast), cast
-    float32 outputs back to the inputs' low dtype, which the next layer's weights have. Under autocast the float32
+    float32 outputs back to the inputs' low dtype, which the next layer's weights have (unless ``cast_back`` is off:
+    a module whose output is the model's own, with no next layer to feed). Under autocast the float32
     output is returned as is: autocast narrows it at the next op that runs in low precision, and a cast here would
     bring back the overflow the scope removed.
     """
 
     def __init__(self, *, upcast_inputs: bool = False, disable_autocast: bool = False,
-                 mode: Callable[[], TorchFunctionMode] | None = None, model_dtype: torch.dtype | None = None) -> None:
+                 mode: Callable[[], TorchFunctionMode] | None = None, model_dtype: torch.dtype | None = None,
+                 cast_back: bool = True) -> None:
         self.upcast_inputs = upcast_inputs
+        self.cast_back = cast_back
         self.disable_autocast = disable_autocast
         self.mode = mode
         self.model_dtype = model_dtype
@@ -174,7 +177,7 @@ class _Scope:
         entered, autocast_on, back = self._stack.pop()
         for c in reversed(entered):
             c.__exit__(None, None, None)
-        if output is None or autocast_on or back is None:
+        if output is None or autocast_on or back is None or not self.cast_back:
             return output
         return map_tensors(output, lambda t: t.to(back) if t.dtype == torch.float32 else t)
 
@@ -382,12 +385,16 @@ class KeepFp32:
     """Run ``modules`` in float32: parameters kept float32, autocast off, inputs upcast, outputs handed back."""
 
     modules: tuple[str, ...]
+    #: hand the outputs back in float32 instead of the model's dtype (a module whose output is the model's
+    #: output: the cast back would redo the rounding the fix removes, e.g. logits on a large common offset)
+    fp32_outputs: bool = False
 
     def __call__(self, model: nn.Module, optimizer: Any = None, scaler: Any = None) -> None:
         for name in self.modules:
             m = _get_module(model, name)
             low = _upcast_module(m, optimizer)
-            _install_scope(m, _Scope(upcast_inputs=True, disable_autocast=True, model_dtype=low))
+            _install_scope(m, _Scope(upcast_inputs=True, disable_autocast=True, model_dtype=low,
+                                     cast_back=not self.fp32_outputs))
 
 
 @dataclass(frozen=True)

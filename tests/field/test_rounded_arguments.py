@@ -145,3 +145,27 @@ def test_check_triage_uses_the_rule_thresholds() -> None:
     """``check``'s quick pass escalates on the same thresholds (precision cannot import findings: equal by test)."""
     assert triage.ABS_ARG_LOST == {"periodic": A.PHASE_LOST, "softmax": A.LOGIT_LOST}
     assert (triage.ABS_ARG_SLACK, triage.ABS_ARG_SENTINEL) == (A.ROUNDING_SLACK, A.SENTINEL)
+
+
+def test_logit_drift_fix_keeps_the_model_output_in_float32_and_verifies() -> None:
+    """Drifted logits (~150, bf16 spacing 1) are the model's output: ``keep_fp32(lm_head)`` that casts its result
+    back to bf16 redoes the very rounding the finding is about (loss 6.5884, bitwise the broken run's), so the
+    proposal leaves the output in float32 (``outputs='float32'``) and verifies: loss 6.4962 against fp32's 6.4966."""
+    from ampdoctor.fixes import diagnose_and_fix
+    from ampdoctor.precision import make_spec
+
+    report = diagnose_and_fix(make_spec(**CASES["t5x-logit-drift-bf16"].build(True)), until_verified=True)
+    f = report.findings[0]
+    assert (f.severity, f.code, f.module, f.op) == ("error", "precision-loss", "lm_head", "aten.addmm.default")
+    p = next(x for x in f.fixes if x.id == "keep_fp32")
+    assert p.params == {"modules": ["lm_head"], "outputs": "float32"} and p.verified, p.verification
+    v = p.verification
+    assert not v["findings_after"] and abs(v["loss_fixed"] - v["loss_fp32"]) < 1e-3 < v["loss_broken"] - v["loss_fp32"]
+
+
+def test_a_module_inside_the_model_keeps_the_cast_back() -> None:
+    """BLOOM's bias cast sits in an inner attention whose output feeds the next layer: no ``outputs`` parameter."""
+    spec, f = _case("bloom-alibi-bf16")
+    del spec
+    p = next(x for x in f.fixes if x.id == "keep_fp32")
+    assert p.params == {"modules": ["attn"]}

@@ -105,7 +105,7 @@ def test_every_fix_action_is_registered_once() -> None:
 def test_build_plan_validates_id_and_params() -> None:
     with pytest.raises(ValueError, match="registered fixes: .*keep_fp32"):
         build_plan("make_it_work", {}, FixContext())
-    with pytest.raises(ValueError, match=r"accepts \['modules', 'module'\]"):
+    with pytest.raises(ValueError, match=r"accepts \['modules', 'module', 'outputs'\]"):
         build_plan("keep_fp32", {"modules": ["a"], "layers": ["a"]}, FixContext())
     with pytest.raises(ValueError, match="needs params\\['modules'\\]"):
         build_plan("keep_fp32", {}, FixContext())
@@ -139,6 +139,29 @@ def test_keep_fp32_after_whole_model_cast_keeps_weights_fp32_and_hands_back_fp16
         y = model(x.half())
     assert y.dtype == torch.float16
     assert y.item() == 600.0                             # sqrt(4 * 300**2), exact in fp16
+
+
+def test_keep_fp32_of_the_models_output_module_can_leave_its_output_float32() -> None:
+    """``outputs='float32'``: logits ~150 (bf16 spacing 1) keep their fractional differences; the default casts back."""
+    torch.manual_seed(0)
+    head = nn.Linear(8, 16)
+    with torch.no_grad():
+        head.bias.fill_(150.0)
+    x = torch.randn(2, 8).bfloat16()
+    low = copy.deepcopy(head).bfloat16()
+    exact = nn.functional.linear(x.float(), low.weight.float(), low.bias.float())  # the bf16 values, fp32 math
+    for outputs, dtype in (("float32", torch.float32), ("model dtype", torch.bfloat16)):
+        model = copy.deepcopy(head).bfloat16()
+        plan = build_plan("keep_fp32", {"modules": [""], "outputs": outputs}, FixContext(precision="bf16"))
+        for transform in plan.transforms:
+            transform(model)
+        with torch.no_grad():
+            y = model(x)
+        assert y.dtype == dtype
+        err = (y.float() - exact).abs().max().item()
+        assert (err < 1e-4) if dtype == torch.float32 else (err > 0.05)      # bf16 rounds 150.x to a whole number
+    with pytest.raises(ValueError, match="params\\['outputs'\\] must be"):
+        build_plan("keep_fp32", {"modules": ["a"], "outputs": "fp16"}, FixContext(precision="bf16"))
 
 
 def test_keep_fp32_under_autocast_returns_fp32_and_autocast_resumes_after() -> None:
