@@ -6,7 +6,8 @@ op-level replay (``_policy``, ``_payload``, ``_reproducer``), sinks (``_sinks``)
 ``_rules``). See :mod:`ampdoctor.watch._steps` for how a step is seen.
 
 Observation has no side effects: hooks only read; nothing is cast, copied into the model or drawn from the RNG.
-Host syncs: one ``tolist()`` per optimizer step (none for a step GradScaler skipped); more only when an
+Host syncs: one ``tolist()`` per optimizer step (none for a step GradScaler skipped, but one under data
+parallelism, where the ranks exchange their table after skipped steps: :mod:`ampdoctor.watch._ranks`); more only when an
 anomaly is handled (reproducer copies, the replay, confirmation of non-finite gradients) or when ``report()``
 is called.
 """
@@ -333,7 +334,8 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
 
     Side effects: none on the numbers (20 steps with or without watch are bitwise identical) and none on the
     objects after exit (every hook is removed, also on exceptions). Cost: one fused reduction over the
-    gradients and one host read per optimizer step; none for a step GradScaler skipped. During the first
+    gradients and one host read per optimizer step; none for a step GradScaler skipped (one with the ranks'
+    agreement on). During the first
     ``coverage_steps`` steps only: one Python call per parameter per backward, and a copy of the fp16/bf16
     parameters the optimizer updates (to measure lost updates). The inputs of the last forward are kept by
     reference until the next one. An internal error disables the failing part with one warning; training continues.

@@ -149,20 +149,26 @@ class AnomalyPolicy:
         elif d.kind == "nonfinite-grads":
             self.ranks.note_grads(step)
         root = self.replay_report.root_cause if self.replay_report is not None else None
-        if root is not None and self.replay_step == step and root.code in NONFINITE_CODES and (root.module or root.op):
+        # an error only: a warning (gradients that overflow only scaled, as GradScaler's calibration makes them) is
+        # no origin -- a rank whose replay sees received inf/NaN that way must not claim the job's first value
+        if (root is not None and self.replay_step == step and root.code in NONFINITE_CODES
+                and root.severity == "error" and (root.module or root.op)):
             self.ranks.note_own(step, {"kind": d.kind, "code": root.code, "module": root.module, "op": root.op,
                                        "phase": root.phase})
 
-    def agree(self, step: int) -> None:
-        """The step's agreement (every rank calls it at each optimizer pre-step check): when any rank must skip,
-        every rank drops the update; when any rank must raise, every rank raises (its own error, or one naming
-        the other ranks). One tiny collective on the watch's own group."""
+    def agree(self, step: int, *, skip: bool = True) -> None:
+        """The step's agreement (every rank calls it at each optimizer pre-step check, and once after
+        GradScaler-skipped steps with ``skip=False``: no update to drop there, a wanted skip waits for the next
+        pre-step one): when any rank must skip, every rank drops the update; when any rank must raise, every rank
+        raises (its own error, or one naming the other ranks). One tiny collective on the watch's own group."""
         ranks = self.ranks
         if ranks is None:
             return
         own, self._pending_raise = self._pending_raise, None
-        want, self._want_skip = self._want_skip, False
-        raised, skipped = ranks.agree(own is not None, want)
+        want = self._want_skip and skip
+        if skip:
+            self._want_skip = False
+        raised, skipped = ranks.agree(own is not None, want, blocking=None if skip else True)
         if skipped:
             self._skip_step()
             self.skipped_by_guard += 1

@@ -19,10 +19,16 @@ the critical path (nothing is read back for it until then); with ``"raise"``/``"
 the details (the kind, and the module/op/code the replay located) with one ``all_gather_object`` — at most
 :data:`MAX_GATHERS` times per run, decided from the agreed table so every rank calls it alike. Nothing else.
 
-What the collective cannot see: anomalies seen after the last optimizer step are not exchanged (the watch issues
-no collective at exit, where ranks may be leaving on an exception); GradScaler-skipped steps have no optimizer
-step (they are skipped on every rank alike). A watch that disabled itself on one rank stops agreeing; the others
-then wait for the group's timeout. ``ranks=False`` turns all of this off (each rank reports alone).
+GradScaler-skipped steps reach no optimizer hook (DDP's all-reduced gradients make GradScaler skip the same steps
+on every rank): after them, at the first training forward of the root module (which every rank runs), the tracker
+reads the skipped steps' pending values, handles them (a replay may locate the origin) and exchanges the table
+once, blocking, with the details (:meth:`RankAgreement.agree` ``blocking=True``): a collapse that skips to the end
+of the run would otherwise never take its table in. Healthy steps get no extra collective; a skipped step gets one
+host read and one collective (it had none), so the watch stays at one per step.
+
+What the collective cannot see: anomalies seen after the last forward are not exchanged (the watch issues no
+collective at exit, where ranks may be leaving on an exception). A watch that disabled itself on one rank stops
+agreeing; the others then wait for the group's timeout. ``ranks=False`` turns all of this off (each rank reports alone).
 """
 
 from __future__ import annotations
@@ -135,9 +141,11 @@ class RankAgreement:
             loc.grads_step = step
 
     # ------------------------------------------------------------------ the exchange
-    def agree(self, must_raise: bool, must_skip: bool) -> tuple[int, int]:
+    def agree(self, must_raise: bool, must_skip: bool, blocking: bool | None = None) -> tuple[int, int]:
         """The number of ranks that must raise and must skip, the same on every rank (0, 0 without blocking
-        decisions); resolves the previous step's table first."""
+        decisions); resolves the previous step's table first. ``blocking`` (default: the watch's decisions need
+        it) waits for the table at once and takes in the details: the exchange after GradScaler-skipped steps,
+        whose table the next agreement may never come to take in (a collapse runs to the end skipping)."""
         dist = torch.distributed
         self._resolve(gather=True)
         loc, self._local = self._local, _Local()
@@ -148,7 +156,7 @@ class RankAgreement:
         t[3 + 2 * self.rank] = 0 if loc.grads_step is None else loc.grads_step + 1
         t = t.to(self.device)
         self.exchanges += 1
-        if not self.blocking:
+        if not (self.blocking if blocking is None else blocking):
             work = dist.all_reduce(t, group=self.group, async_op=True)
             self._pending = (t, work, loc.detail)
             return 0, 0

@@ -119,6 +119,8 @@ class StepTracker:
         sc = self.scaler
         self.scaler_token = sc.token() if sc is not None else None
         self.stepped_token: Any = None
+        #: a GradScaler-skipped step closed since the last agreement (ranks): exchanged at the next training forward
+        self.skip_unagreed = False
         self.scale_snapshot = sc.scale_copy() if sc is not None else None
         self.probe = GradProbe(ps.trainable, self.health)   # armed when GradScaler starts skipping
         self._register_hooks()
@@ -178,7 +180,21 @@ class StepTracker:
         if self.optimizer is None and not self.explicit and self.it.forward_seen:
             self.close(skipped=False)
         self.handle_queue(can_raise=True)
+        if self.skip_unagreed:
+            self._agree_skipped()
         self.note_call(args, kwargs, rng_state(self.device_type))
+
+    def _agree_skipped(self) -> None:
+        """The ranks' agreement for GradScaler-skipped steps, which reach no optimizer pre-step check: at the first
+        training forward after them (every rank runs it, and DDP's all-reduced gradients make GradScaler skip the
+        same steps on every rank, so every rank exchanges here alike). Skipped steps only: a healthy step gets no
+        extra collective. Reads the skipped step's pending values first (its loss; a skipped step had no read), so
+        this rank's own inf/NaN and its replay's origin are in the table."""
+        self.skip_unagreed = False
+        self.read()
+        self.handle_queue(can_raise=True)
+        assert self.policy is not None
+        self.policy.agree(self.step, skip=False)
 
     def _weights_version(self) -> int | None:
         ps = self.params.opt_params
@@ -237,6 +253,7 @@ class StepTracker:
     def on_opt_pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         self.poll_scaler()
+        self.skip_unagreed = False      # the pre-step agreement below takes the skipped steps in
         self.unwatched_updates = 0
         self.handle_queue(can_raise=True)
         if self.params.changed():        # add_param_group since the last step: re-read names and roles
@@ -328,6 +345,7 @@ class StepTracker:
         if old is not None and old is not self.stepped_token and sc.stepped_in(old, self.optimizer):
             scale = self.scale_snapshot if self.scale_snapshot is not None else sc.scale_before_backoff()
             self.close(skipped=True, scale=scale)
+            self.skip_unagreed = self.policy is not None and self.policy.ranks is not None
         self.scale_snapshot = sc.scale_copy()
 
     def before_update(self) -> None:

@@ -2,7 +2,8 @@
 (x 1e5: autocast's fp16 cast overflows in the first Linear; DDP's all-reduce gives rank 0 the inf gradients too, and
 GradScaler skips the steps on both ranks). The runner must watch the DDP wrapper, not the inner module holding the
 same parameters (it chose between them by gc order), so the ranks' agreement is on; rank 1's replay names the
-Linear and its cast, and no rank hangs."""
+Linear and its cast, and no rank hangs. The steps GradScaler skipped reach no optimizer hook, so the ranks exchange
+their table after them: rank 0's report names rank 1 as the origin, with rank 1's finding, first."""
 
 from __future__ import annotations
 
@@ -23,3 +24,10 @@ def test_run_watches_the_ddp_wrapper_and_rank1_names_the_overflowing_linear() ->
     assert (code, severity, module, op) == ("overflow", "error", "0", "aten._to_copy.default"), r1["findings"]
     assert "forward" in phase
     assert any(f[0] == "loss-scale-collapse" and f[1] == "error" for f in r0["findings"]), r0["findings"]
+    # rank 0's own data never overflowed: its root cause is rank 1's finding (not its own replay's warning)
+    assert r0["origin_rank"] == r1["origin_rank"] == 1, (r0["origin"], r1["origin"])
+    assert r0["root_cause"][:4] == ("overflow", "0", "aten._to_copy.default", 1), r0["root_cause"]
+    assert "rank 1" in r0["root_cause"][4] and "rank 0's own values stayed finite" in r0["root_cause"][4]
+    code0, sev0, module0, op0 = r0["findings"][0][:4]
+    assert (code0, sev0, module0, op0) == ("overflow", "error", "0", "aten._to_copy.default"), r0["findings"]
+    assert not any(e["rank"] == 0 and e["local"] for e in r0["events"]), r0["events"]
