@@ -40,7 +40,7 @@ def run_ddp_script(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     return {"rank": s.get("rank"), "world_size": s.get("world_size"), "model_class": s.get("model_class"),
             "findings": [(f.code, f.severity, f.module, f.op, str(f.phase)) for f in r.findings],
             "script": s.get("script"), "origin_rank": s.get("origin_rank"), "origin": s.get("nonfinite_origin"),
-            "events": s.get("rank_events"),
+            "events": s.get("rank_events"), "rank_exchanges": s.get("rank_exchanges"),
             "root_cause": None if r.root_cause is None else (r.root_cause.code, r.root_cause.module, r.root_cause.op,
                                                               r.root_cause.evidence.get("origin_rank"),
                                                               r.root_cause.title)}

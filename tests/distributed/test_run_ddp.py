@@ -31,3 +31,6 @@ def test_run_watches_the_ddp_wrapper_and_rank1_names_the_overflowing_linear() ->
     code0, sev0, module0, op0 = r0["findings"][0][:4]
     assert (code0, sev0, module0, op0) == ("overflow", "error", "0", "aten._to_copy.default"), r0["findings"]
     assert not any(e["rank"] == 0 and e["local"] for e in r0["events"]), r0["events"]
+    # the cost: one exchange per optimizer step (steps 0, 1) and one after each skipped step seen at a forward
+    # (steps 2..4; step 5's skip is seen only at exit, where no collective is issued)
+    assert r0["rank_exchanges"] == r1["rank_exchanges"] == 5
