@@ -127,9 +127,8 @@ class _Scope:
     and/or a torch-function mode; cast fp16/bf16 inputs to float32 when ``upcast_inputs``. Post hook (also on
     exceptions): leave the contexts in reverse order; when autocast was off (a whole-model fp16/bf16 cast), cast
     float32 outputs back to the inputs' low dtype, which the next layer's weights have (unless ``cast_back`` is off:
-    a module whose output is the model's own, with no next layer to feed). Under autocast the float32
-    output is returned as is: autocast narrows it at the next op that runs in low precision, and a cast here would
-    bring back the overflow the scope removed.
+    the model's own output, no next layer). Under autocast the float32 output is returned as is: autocast narrows
+    it at the next op that runs in low precision, and a cast here would bring back the overflow the scope removed.
     """
 
     def __init__(self, *, upcast_inputs: bool = False, disable_autocast: bool = False,
@@ -382,11 +381,10 @@ class ClampHook:
 
 @dataclass(frozen=True)
 class KeepFp32:
-    """Run ``modules`` in float32: parameters kept float32, autocast off, inputs upcast, outputs handed back."""
+    """Run ``modules`` in float32: parameters kept float32, autocast off, inputs upcast, outputs handed back
+    (``fp32_outputs``: in float32, for the model's own output, where a cast back would redo the rounding)."""
 
     modules: tuple[str, ...]
-    #: hand the outputs back in float32 instead of the model's dtype (a module whose output is the model's
-    #: output: the cast back would redo the rounding the fix removes, e.g. logits on a large common offset)
     fp32_outputs: bool = False
 
     def __call__(self, model: nn.Module, optimizer: Any = None, scaler: Any = None) -> None:
