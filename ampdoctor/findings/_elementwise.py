@@ -36,8 +36,8 @@ FLOOR = 1.0 / 16
 #: rounding the result itself costs u, the rest is the argument's rounding turned into phase (sin) or scale (exp)
 AMPLIFIED_FLOOR = 0.05
 AMPLIFIERS = ops_with(Kind.PERIODIC) | ops_with(Kind.EXPONENTIAL)
-PICKS_K, ORDERS = ops_with(Kind.PICKS_K), ops_with(Kind.ORDERS)
-GATHERS = ops_with(Kind.GATHERS)
+PICKS_K, ORDERS, THRESHOLDS = ops_with(Kind.PICKS_K), ops_with(Kind.ORDERS), ops_with(Kind.THRESHOLDS)
+GATHERS, MASKS = ops_with(Kind.GATHERS), ops_with(Kind.MASKS)
 #: ops whose relative condition number is their input's magnitude (softmax, exp)
 CONDITION_BY_INPUT = (ops_with(Kind.SOFTMAX) & ops_with(Kind.BOUNDED)) | ops_with(Kind.EXPONENTIAL)
 
@@ -129,7 +129,7 @@ def _rows(d: Any) -> list[tuple[int, ...]]:
     """The decisions of ``d`` as rows: one index per element (argmax), a set (topk), an order (sort)."""
     idx = d.indices
     base = op_base(d.op)
-    width = d.shape[-1] if base in PICKS_K | ORDERS and d.shape else 1
+    width = d.shape[-1] if base in PICKS_K | ORDERS | THRESHOLDS and d.shape else 1
     rows = [tuple(idx[i:i + width]) for i in range(0, len(idx), width)]
     return [tuple(sorted(r)) for r in rows] if base in PICKS_K else rows
 
@@ -245,9 +245,11 @@ def _inside(module: str, parent: str) -> bool:
 
 def decision_steers(ctx: Context, d: Any) -> int:
     """How many later ops pick values by integers computed from the decision's scores (``x[idx]``, a gather, an
-    embedding lookup: :data:`GATHERS`): a changed decision there routes values to different computation. An
-    integer used otherwise (``0 * idx``, a metric) does not count."""
-    return sum(1 for r in ctx.records if d.input_index in r.index_src and op_base(r.op) in GATHERS)
+    embedding lookup: :data:`GATHERS`; for a threshold's mask also ``masked_fill`` / ``where``: :data:`MASKS`): a
+    changed decision there routes values to different computation. An integer used otherwise (``0 * idx``, a
+    metric) does not count."""
+    use = GATHERS | MASKS if op_base(d.op) in THRESHOLDS else GATHERS
+    return sum(1 for r in ctx.records if d.input_index in r.index_src and op_base(r.op) in use)
 
 
 def _low_ops(ctx: Context, r: OpRecord, depth: int) -> list[OpRecord]:

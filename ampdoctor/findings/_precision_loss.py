@@ -6,9 +6,10 @@ The per-op errors and tolerances are ``ctx.relative_errors`` / ``ctx.precision_l
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from ampdoctor.findings._absolute_args import absolute_arg_findings
-from ampdoctor.findings._analysis import output_deviation
+from ampdoctor.findings._analysis import output_deviation, reduction_length
 from ampdoctor.findings._common import (
     CANCEL_OPS,
     CASTS,
@@ -41,6 +42,7 @@ from ampdoctor.findings._types import Finding, FixProposal
 from ampdoctor.trace import Kind, OpRecord, ops_with
 
 PERIODIC = ops_with(Kind.PERIODIC)
+THRESHOLDS = ops_with(Kind.THRESHOLDS)
 
 #: relative error above which precision-loss is a warning (below it: info)
 WARN_REL = 0.05
@@ -357,6 +359,10 @@ def _decision_findings(ctx: Context) -> list[Candidate]:
                    "decision_module": d.module, "ties_target": ties_t, "ties_reference": ties_r,
                    "indexed_by": steers})
         severe = steers > 0 and n >= 2 and n / max(rows, 1) >= DECISION_ERROR_FRACTION
+        if op_base(d.op) in THRESHOLDS:
+            if not severe:
+                continue  # a mask that flips a near-threshold element in a few rows, or selects nothing, is noise
+            ev["mask_note"] = _threshold_note(ctx, ch, src, ev)
         if ties_t is not None and ties_r is not None:
             ev["ties_created"] = max(0, ties_t - ties_r)
         if src.index in ctx.element_errors:
@@ -376,7 +382,8 @@ def _decision_findings(ctx: Context) -> list[Candidate]:
                 f"in {n} of {rows} row(s) (e.g. row {ch['examples'][0]['row']}: {ch['examples'][0]['target']} vs "
                 f"{ch['examples'][0]['reference']}). The scores it compares come from {where(src)}, computed in "
                 f"{dt} (u = {fmt(unit_roundoff(src.dtype))}): where candidates are closer than that rounding, the "
-                f"pick changes although the tensor's norm agrees.{tie_txt}" + _batch_note(ctx, src))
+                f"pick changes although the tensor's norm agrees.{tie_txt}{ev.pop('mask_note', '')}"
+                + _batch_note(ctx, src))
         if severe:
             expl += (f" The chosen indices select what is computed next ({steers} op(s) index with them: routing, a "
                      f"gather, a codebook lookup), so {n / rows:.0%} of the rows take a different path than in "
@@ -391,6 +398,21 @@ def _decision_findings(ctx: Context) -> list[Candidate]:
             f"{op_base(d.op)} picks differently in {dt} for {n}/{rows} rows in {d.module or '<root>'}", expl, ev,
             tuple(fixes), src.step), src.index))
     return out
+
+
+def _threshold_note(ctx: Context, ch: dict[str, Any], src: OpRecord, ev: dict[str, Any]) -> str:
+    """For a comparison's mask (rows shown as ``[true elements, sum of their positions]``): how far the kept sets'
+    sizes moved, and the length of the running total / reduction that rounded the compared values."""
+    moved = [abs(e["target"][0] - e["reference"][0]) for e in ch["examples"]]
+    k = reduction_length(ctx, src)
+    ev.update({"mask_row_format": "[true elements, sum of their positions]", "mask_size_change_max": max(moved),
+               "reduction_length": k})
+    txt = (f" Each row of the mask is shown as [true elements, sum of their positions]: the kept set moves by up to "
+           f"{max(moved)} element(s) in the rows shown.")
+    if k > 1:
+        txt += (f" {op_base(src.op)} sums up to {k} terms in {dtype_name(src.dtype)}: its rounding grows with the "
+                "length (a running total near the threshold drifts by many spacings), so compute it in float32.")
+    return txt
 
 
 def _skip_explained(ctx: Context) -> set[int]:

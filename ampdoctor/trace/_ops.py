@@ -55,6 +55,8 @@ class Kind(enum.Enum):
     PICKS_SMALLEST = "picks_smallest"  # a decision for the smallest values (argmin, min, kthvalue)
     PICKS_K = "picks_k"              # a decision for the k largest (topk): each row's choice is a set
     ORDERS = "orders"                # a decision that orders a whole row (sort, argsort)
+    THRESHOLDS = "thresholds"        # a decision per element against a threshold (gt, lt, ge, le): a boolean mask
+    MASKS = "masks"                  # selects by a boolean mask argument (masked_fill, where): a mask steers it
     CLIPS = "clips"                  # replaces out-of-range or non-finite values (clamp, nan_to_num, where): a guard
     STATS_WRITE = "stats_write"      # writes running_mean / running_var in training; the schema does not say so
     GATHERS = "gathers"              # picks elements of its first input by integer indices: a subset of its values
@@ -322,7 +324,7 @@ for _n in ("add_", "sub_"):  # in-place arithmetic: the same Scalar operand, no 
 for _n in ("mul_", "div_"):
     declare(_n, literals=_FACTOR)
 for _n in ("masked_fill", "masked_fill_"):
-    declare(_n, literals=_lits(("value", 2, R.FILL)))
+    declare(_n, K.MASKS, literals=_lits(("value", 2, R.FILL)))
 for _n in ("fill", "fill_"):
     declare(_n, literals=_lits(("value", 1, R.FILL)))
 declare("full_like", literals=_lits(("fill_value", 1, R.FILL)))
@@ -330,7 +332,7 @@ declare("full", literals=_lits(("fill_value", 1, R.FILL)))
 declare("new_full", literals=_lits(("fill_value", 2, R.FILL)))
 for _n in ("index_fill", "index_fill_"):
     declare(_n, literals=_lits(("value", 3, R.FILL)))
-declare("where", K.CLIPS, literals=_lits(("self", 1, R.FILL), ("other", 2, R.FILL)))
+declare("where", K.CLIPS, K.MASKS, literals=_lits(("self", 1, R.FILL), ("other", 2, R.FILL)))
 for _n in ("clamp", "clamp_", "clip", "clip_"):
     declare(_n, K.CLIPS, literals=_lits(("min", 1, R.BOUND), ("max", 2, R.BOUND)))
 for _n in ("clamp_min", "clamp_min_"):
@@ -354,4 +356,6 @@ for _n in ("argmin", "min", "kthvalue"):
 declare("topk", K.DECISION, K.PICKS_K)
 for _n in ("sort", "argsort"):
     declare(_n, K.DECISION, K.ORDERS)
+for _n in ("gt", "lt", "ge", "le"):  # a threshold on a running total (nucleus sampling's cumsum > p) is a choice
+    declare(_n, K.DECISION, K.THRESHOLDS)
 del _n, K, R, F, IN, FP32

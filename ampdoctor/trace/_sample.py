@@ -26,6 +26,7 @@ SAMPLE = 64
 #: ops whose integer output is a choice between values (argmax, topk, sort): kept for the reference comparison
 DECISIONS = ops_with(Kind.DECISION)
 _SMALLEST, _PICKS_K, _ORDERS = ops_with(Kind.PICKS_SMALLEST), ops_with(Kind.PICKS_K), ops_with(Kind.ORDERS)
+_THRESHOLDS = ops_with(Kind.THRESHOLDS)
 #: integer outputs of decision ops kept exactly up to this many elements
 MAX_DECISION = 1 << 16
 
@@ -94,6 +95,8 @@ def make_decision(base: str, op: str, module: str, phase: str, step: int, input_
                   t: torch.Tensor, args: Any, kwargs: Any) -> Decision | None:
     """Keep the integer output ``t`` of decision op ``base`` and count its ties (no host sync)."""
     x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if base in _THRESHOLDS:
+        return _threshold_decision(op, module, phase, step, input_index, out_pos, t, x)
     if x is None or not x.is_floating_point() or t.numel() > MAX_DECISION or x.numel() == 0:
         return None
     dim, k = _dim_k(base, args, kwargs, x)
@@ -114,6 +117,21 @@ def make_decision(base: str, op: str, module: str, phase: str, step: int, input_
             top = v.topk(k + 1, dd).values
             d.device_ties = (top.select(dd, k - 1) == top.select(dd, k)).sum()
     return d
+
+
+def _threshold_decision(op: str, module: str, phase: str, step: int, input_index: int, out_pos: int,
+                        t: torch.Tensor, x: torch.Tensor | None) -> Decision | None:
+    """A comparison's boolean mask of floating values, per row of its last dim as ``(count, sum of positions)`` of
+    its true elements -- the kept set of a threshold on a sorted running total (a prefix) exactly, any other mask
+    up to a collision of both sums -- so a row of 32000 is two integers (no host sync)."""
+    if x is None or not x.is_floating_point() or t.dtype != torch.bool or t.numel() == 0:
+        return None
+    m = t.detach().reshape(-1, t.shape[-1] if t.dim() else 1)
+    if 2 * m.shape[0] > MAX_DECISION:
+        return None
+    pos = torch.arange(m.shape[1], device=m.device)
+    sig = torch.stack([m.sum(-1), (m * pos).sum(-1)], -1)
+    return Decision(op, module, phase, step, input_index, out_pos, (m.shape[0], 2), 2, sig)
 
 
 class Sketches:
