@@ -123,8 +123,9 @@ def _threshold_decision(op: str, module: str, phase: str, step: int, input_index
                         t: torch.Tensor, x: torch.Tensor | None) -> Decision | None:
     """A comparison's boolean mask of floating values, per row of its last dim as ``(count, sum of positions)`` of
     its true elements -- the kept set of a threshold on a sorted running total (a prefix) exactly, any other mask
-    up to a collision of both sums -- so a row of 32000 is two integers (no host sync)."""
-    if x is None or not x.is_floating_point() or t.dtype != torch.bool or t.numel() == 0:
+    up to a collision of both sums -- so a row of 32000 is two integers (no host sync). Forward only: a backward's
+    masks (``clamp_min``'s ``x >= min``) are autograd's, following a forward value already compared."""
+    if phase != "forward" or x is None or not x.is_floating_point() or t.dtype != torch.bool or t.numel() == 0:
         return None
     m = t.detach().reshape(-1, t.shape[-1] if t.dim() else 1)
     if 2 * m.shape[0] > MAX_DECISION:
