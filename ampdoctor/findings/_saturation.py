@@ -19,6 +19,7 @@ from ampdoctor.findings._common import (
     keep_fp32_fix,
     op_base,
     spacing_below_one,
+    unit_roundoff,
     where,
 )
 from ampdoctor.findings._context import Context
@@ -67,7 +68,11 @@ def saturation(ctx: Context) -> list[Candidate]:
     target but not in the reference (the layers below stop learning), or when the exact bound becomes a harmful
     inf downstream: ``1 - p`` is then exactly 0 and a pole turns it into inf (``log(1 - p)`` in a hand-written
     BCE, the backward of a focal loss's ``(1 - p) ** gamma`` with gamma < 1) -- the saturation, not an underflow
-    or an overflow, is the root cause (evidence ``zeros_op``, ``pole_op``); ``warning`` otherwise. Evidence: fraction at
+    or an overflow, is the root cause (evidence ``zeros_op``, ``pole_op``); ``info`` when no backward op reads the
+    saturated output (a forward-only run, or its gradient is not needed): rounding to the bound then moves each value
+    by at most half the spacing below 1 and changes nothing its consumers compute, so it must not outrank the error
+    its input carried in (evidence ``input_relative_error``, the input's relative error against fp32: a GELU-tanh
+    whose argument is already off after accumulated bf16 error); ``warning`` otherwise. Evidence: fraction at
     the bound in target vs reference, the input |max|, the threshold, the dtype's spacing below 1, the gradient
     zero fraction of the upstream parameters."""
     out: list[Candidate] = []
@@ -79,6 +84,9 @@ def saturation(ctx: Context) -> list[Candidate]:
             continue  # a few saturated entries whose gradient still flows elsewhere (GELU-tanh's x path)
         base, dt = op_base(r.op), dtype_name(r.dtype)
         expl, ev = _explanation(facts), facts.evidence
+        inert = pole is None and not facts.dead and facts.bwd is None
+        if inert:
+            expl += _inert_text(ctx, facts)
         if pole is not None:
             zeros, inf_op = pole
             ev = dict(ev, zeros_op=ctx.describe(zeros), pole_op=inf_op.op, pole=ctx.describe(inf_op),
@@ -89,12 +97,28 @@ def saturation(ctx: Context) -> list[Candidate]:
                      f"(1 - p of a p that is exactly 1), and {where(inf_op)} maps those zeros to inf (a pole at 0: "
                      "log(0), 1/0, 0 ** negative); the inf reaches the loss or the gradients.")
         out.append(Candidate(Finding(
-            "saturation", "error" if facts.dead or pole is not None else "warning", r.module, r.op, r.phase,
+            "saturation", "error" if facts.dead or pole is not None else "info" if inert else "warning",
+            r.module, r.op, r.phase,
             f"{base} saturates to {BOUNDS[base].text} in {dt} in {r.module or '<root>'}"
             + (": gradients below it are exactly zero" if facts.dead else "")
             + (f", and {op_base(pole[1].op)} turns the exact 0 it leaves into inf" if pole is not None else ""),
             expl, ev, _fixes(facts), r.step), r.index))
     return out
+
+
+def _inert_text(ctx: Context, s: _Saturated) -> str:
+    """Why a saturation no backward reads is no cause: rounding to the bound moves each value by at most half the
+    spacing below 1; what the input already carried from upstream (its relative error) is what differs."""
+    txt = (" No backward op reads it in this run (forward only, or its gradient is not needed): at the bound each "
+           f"value moves by at most {fmt(spacing_below_one(s.r.dtype) / 2)}, so the saturation itself changes "
+           "nothing its consumers compute.")
+    e = ctx.relative_errors.get(s.inp.index) if s.inp is not None else None
+    if e is not None and math.isfinite(e):
+        s.evidence["input_relative_error"] = e
+        if e > 16 * unit_roundoff(s.r.dtype):
+            txt += (f" Its input already deviates from fp32 by {e:.1%}: that error was carried in from upstream "
+                    "(see the precision-loss findings before it), not made here.")
+    return txt
 
 
 def _pole_hits(ctx: Context) -> dict[int, tuple[OpRecord, OpRecord]]:
