@@ -61,6 +61,7 @@ def diagnose(
     steps: int = 1,
     policy: str = "cuda",
     progress: Any = None,
+    fp8_recipe: Any = None,
 ) -> Report:
     """Diagnose ``steps`` training (or inference) steps of ``model`` in ``precision``.
 
@@ -73,12 +74,15 @@ def diagnose(
     and ``"done"`` as the diagnosis moves on (the CLI draws a progress bar with it). ``policy``
     chooses how ``"fp16-amp"``/``"bf16-amp"`` are run off-GPU: ``"cuda"`` emulates CUDA's autocast op policy,
     ``"native"`` uses the device's own autocast. Host syncs: one per step and run (statistics read back).
+    ``fp8_recipe``: the :class:`~ampdoctor.precision.Fp8Recipe` (scaling, history length, margin, amax floor) an fp8
+    ``precision`` runs with -- the one your training uses; its format must be the precision's (``"fp8"``: hybrid).
+    Default: ``Fp8Recipe()`` in the precision's format.
     Raises :class:`ampdoctor.precision.ScenarioError` for unusable input, before anything runs.
     """
     if policy not in ("cuda", "native"):
         raise ValueError(f"invalid policy {policy!r}, expected 'cuda' or 'native'")
     spec = make_spec(model, batch, precision=precision, loss_fn=loss_fn, optimizer=optimizer, scaler=scaler,
-                     train_step=train_step, steps=steps)
+                     train_step=train_step, steps=steps, fp8_recipe=fp8_recipe)
     return diagnose_spec(spec, policy=policy, progress=progress)
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ampdoctor.precision._spec import ScenarioError, StepSpec
+from ampdoctor.precision._spec import FP8_FORMATS, ScenarioError, StepSpec
 from ampdoctor.trace import DTYPES, HALF_DTYPES
 
 log = logging.getLogger(__name__)
@@ -224,13 +224,14 @@ def _gemm_context(precision: str | None, device: torch.device, policy: str) -> A
     return cuda_gemm(gemm_choice() == "cuda", device_type=device.type)
 
 
-def _fp8_context(precision: str | None, model: nn.Module) -> Any:
-    if precision is None or not precision.startswith("fp8"):
+def _fp8_context(precision: str | None, model: nn.Module, recipe: Any = None) -> Any:
+    """``fp8_autocast`` of an fp8 precision: the user's ``recipe`` (:attr:`StepSpec.fp8_recipe`), else
+    ``Fp8Recipe()`` in the precision's format."""
+    if precision not in FP8_FORMATS:
         return contextlib.nullcontext()
     from ampdoctor.precision.fp8 import Fp8Recipe, fp8_autocast
 
-    fmt = {"fp8": "hybrid", "fp8-e4m3": "e4m3", "fp8-e5m2": "e5m2"}[precision]
-    return fp8_autocast(model, Fp8Recipe(format=fmt))
+    return fp8_autocast(model, recipe if recipe is not None else Fp8Recipe(format=FP8_FORMATS[precision]))
 
 
 def cast_optimizer_state(opt: Any, dtype: torch.dtype) -> None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from ampdoctor.errors import ScenarioError
 from ampdoctor.precision._distributed import copy_limitation
+from ampdoctor.precision.fp8 import Fp8Recipe
 
 #: Precisions a step can run in. ``None`` runs the step as given (it may cast or autocast itself).
 PRECISIONS: tuple[str | None, ...] = (None, "fp16", "bf16", "fp16-amp", "bf16-amp", "fp8", "fp8-e4m3", "fp8-e5m2")
@@ -43,6 +44,36 @@ class StepSpec:
     #: callables ``fn(model, optimizer, scaler)`` applied to the run's copies after the precision cast, in the
     #: reference and the target run alike (how :mod:`ampdoctor.fixes` applies a fix without editing source)
     transforms: tuple[Any, ...] = ()
+    #: the :class:`~ampdoctor.precision.fp8.Fp8Recipe` of an fp8 precision's target run; ``None``: ``Fp8Recipe()``
+    #: in the precision's format
+    fp8_recipe: Fp8Recipe | None = None
+
+
+#: The fp8 format each fp8 precision runs in.
+FP8_FORMATS: dict[str, str] = {"fp8": "hybrid", "fp8-e4m3": "e4m3", "fp8-e5m2": "e5m2"}
+
+
+def _check_fp8_recipe(recipe: Any, precision: str | None) -> None:
+    """An :class:`Fp8Recipe` for an fp8 precision of its own format."""
+    if recipe is None:
+        return
+    if not isinstance(recipe, Fp8Recipe):
+        raise ScenarioError(
+            f"fp8_recipe must be an ampdoctor.precision.Fp8Recipe, got {type(recipe).__name__}; e.g. "
+            "fp8_recipe=Fp8Recipe(scaling='delayed', amax_history_len=16, margin=0) (the fields of Transformer "
+            "Engine's DelayedScaling)")
+    if precision not in FP8_FORMATS:
+        raise ScenarioError(
+            f"fp8_recipe is given but precision is {precision!r}; a recipe applies to an fp8 run: pass "
+            f"precision={_fp8_precision(recipe.format)!r}")
+    if FP8_FORMATS[precision] != recipe.format:
+        raise ScenarioError(
+            f"fp8_recipe has format {recipe.format!r} but precision {precision!r} runs {FP8_FORMATS[precision]!r}; "
+            f"pass precision={_fp8_precision(recipe.format)!r} for this recipe")
+
+
+def _fp8_precision(fmt: str) -> str:
+    return next(p for p, f in FP8_FORMATS.items() if f == fmt)
 
 
 def _check_batch_binds(model: nn.Module, batch: Any) -> None:
@@ -191,16 +222,18 @@ def make_spec(
     train_step: Any = None,
     steps: int = 1,
     source: str = "",
+    fp8_recipe: Any = None,
 ) -> StepSpec:
     """Validate user input; raises :class:`ScenarioError` (or TypeError) saying what to do. Changes nothing.
 
     The checks run in this order (the first problem is the one reported): the model, the precision, the model's
-    weights, the callables, the optimizer, the scaler, the steps, the batch."""
+    weights, the fp8 recipe, the callables, the optimizer, the scaler, the steps, the batch."""
     _check_model(model)
     if precision not in PRECISIONS:
         allowed = ", ".join(repr(p) for p in PRECISIONS)
         raise ScenarioError(f"invalid precision {precision!r}, expected one of {allowed}")
     _check_weights(model)
+    _check_fp8_recipe(fp8_recipe, precision)
     if loss_fn is not None and not callable(loss_fn):
         raise ScenarioError(f"loss_fn must be callable as loss_fn(output, batch) -> scalar Tensor, got {loss_fn!r}")
     if train_step is not None and not callable(train_step):
@@ -217,7 +250,8 @@ def make_spec(
     _check_batch_values(batch)
     if train_step is None:
         _check_batch_binds(model, batch)
-    return StepSpec(model, batch, precision, loss_fn, optimizer, scaler, train_step, steps, source)
+    return StepSpec(model, batch, precision, loss_fn, optimizer, scaler, train_step, steps, source,
+                    fp8_recipe=fp8_recipe)
 
 
 def _defines_make(path: str) -> bool | None:
@@ -295,7 +329,7 @@ def load_scenario_module(path: str) -> Any:
     return module
 
 
-_SPEC_KEYS = ("model", "batch", "loss_fn", "precision", "optimizer", "scaler", "train_step", "steps")
+_SPEC_KEYS = ("model", "batch", "loss_fn", "precision", "optimizer", "scaler", "train_step", "steps", "fp8_recipe")
 
 
 def spec_from_module(module: Any, source: str = "", **overrides: Any) -> StepSpec:

@@ -258,7 +258,8 @@ class StepLoop:
         """All steps; returns :attr:`result`. Host syncs: one per step (its loss), plus the scale with a scaler."""
         prep = self.prep
         no_autocast = _NoAutocast(prep.device.type) if prep.reference else contextlib.nullcontext()
-        fp8 = contextlib.nullcontext() if prep.reference else _fp8_context(prep.precision, prep.model)
+        fp8 = contextlib.nullcontext() if prep.reference else _fp8_context(prep.precision, prep.model,
+                                                                                 self.spec.fp8_recipe)
         try:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(self.gemm)  # below the observers' dispatch modes (the trace)

@@ -1,0 +1,109 @@
+"""``diagnose(..., fp8_recipe=...)``: the user's own fp8 recipe is the one diagnosed.
+
+The model's input scale moves between steps (1, 0.4, 1, 0.4, 0.4, 1: a gain schedule kept in a buffer, as a
+warm-up or a data mix would move activations). Under delayed scaling the scale of step k comes from the max amax of
+the previous ``amax_history_len`` steps, so the step that clips depends on the history length:
+
+* history 1: step 2 uses step 1's amax (0.4x): the input is 2.5x over the scale and clips, first at step 2;
+* history 2: step 2 sees step 0's amax and is fine; step 5 sees only steps 3-4 (0.4x) and clips;
+* history 16: every step sees step 0's amax: clean;
+* history 1 with margin=2: the scale keeps 4x headroom, more than the 2.5x jump: clean.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ampdoctor
+from ampdoctor.errors import AmpDoctorError
+from ampdoctor.precision import Fp8Recipe, ScenarioError
+
+GAINS = (1.0, 0.4, 1.0, 0.4, 0.4, 1.0)
+
+
+class Scheduled(nn.Module):
+    """``x * gain[step]`` into a linear layer; the step counter is a buffer (each run's copy starts at 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(32, 16)
+        self.head = nn.Linear(16, 4)
+        self.register_buffer("gain", torch.tensor(GAINS))
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.gain[self.step.clamp(max=len(GAINS) - 1)]
+        self.step += 1
+        return self.head(torch.relu(self.proj(x * g)))
+
+
+def _diagnose(recipe: Fp8Recipe | None) -> ampdoctor.Report:
+    model = Scheduled()
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1)) * 3.0
+    return ampdoctor.diagnose(model, x, precision="fp8", steps=len(GAINS),
+                              optimizer=torch.optim.SGD(model.parameters(), lr=1e-6),
+                              loss_fn=lambda out, b: out.float().mean(), fp8_recipe=recipe)
+
+
+def _clipping(report: ampdoctor.Report) -> list[ampdoctor.Finding]:
+    return [f for f in report.findings if f.code == "fp8-scale" and f.module == "proj"
+            and f.evidence.get("role") == "input" and f.severity == "warning"]
+
+
+@pytest.mark.parametrize(("history", "step"), [(1, 2), (2, 5)])
+def test_the_users_history_length_decides_the_step_that_clips(history, step):
+    found = _clipping(_diagnose(Fp8Recipe(scaling="delayed", amax_history_len=history)))
+    assert len(found) == 1
+    f = found[0]
+    assert (f.op, f.phase, f.step) == ("aten.linear.default", "forward", step)
+    first = f.evidence["first_saturated"]
+    assert first["step"] == step
+    assert first["amax"] / first["amax_history"] == pytest.approx(1 / 0.4, rel=1e-5)  # the 2.5x jump
+    assert "history" in f.explanation or "older amax" in f.explanation
+
+
+def test_a_long_history_and_a_margin_are_clean():
+    assert _clipping(_diagnose(Fp8Recipe(scaling="delayed", amax_history_len=16))) == []
+    assert _clipping(_diagnose(Fp8Recipe(scaling="delayed", amax_history_len=1, margin=2))) == []
+    assert _clipping(_diagnose(Fp8Recipe(scaling="dynamic"))) == []
+
+
+def test_the_default_recipe_is_todays():
+    default, explicit = _diagnose(None), _diagnose(Fp8Recipe())
+    assert _clipping(default) == []         # Fp8Recipe(): history 1024, sees step 0's amax
+    assert [(f.code, f.module, f.title) for f in default.findings] == \
+        [(f.code, f.module, f.title) for f in explicit.findings]
+
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    ({"precision": "fp8", "fp8_recipe": {"margin": 2}}, "fp8_recipe must be an ampdoctor.precision.Fp8Recipe, got dict"),
+    ({"precision": "bf16-amp", "fp8_recipe": Fp8Recipe()}, "pass precision='fp8'"),
+    ({"precision": None, "fp8_recipe": Fp8Recipe(format="e4m3")}, "pass precision='fp8-e4m3'"),
+    ({"precision": "fp8-e5m2", "fp8_recipe": Fp8Recipe()}, "format 'hybrid' but precision 'fp8-e5m2'"),
+])
+def test_a_wrong_recipe_is_refused_before_anything_runs(kwargs, words):
+    model = Scheduled()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ScenarioError, match=words.replace("(", r"\(").replace(")", r"\)")) as e:
+        ampdoctor.diagnose(model, torch.randn(4, 32), **kwargs)
+    assert isinstance(e.value, AmpDoctorError)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert int(model.step) == 0             # nothing ran
+
+
+def test_a_scenario_may_return_its_recipe(tmp_path):
+    path = tmp_path / "scn.py"
+    path.write_text(
+        "import torch\nfrom ampdoctor.precision import Fp8Recipe\n"
+        f"from {__name__} import Scheduled, GAINS\n"
+        "def make():\n"
+        "    m = Scheduled()\n"
+        "    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1)) * 3.0\n"
+        "    return {'model': m, 'batch': x, 'precision': 'fp8', 'steps': len(GAINS),\n"
+        "            'loss_fn': lambda out, b: out.float().mean(),\n"
+        "            'fp8_recipe': Fp8Recipe(amax_history_len=1)}\n")
+    found = _clipping(ampdoctor.diagnose_file(str(path)))
+    assert [f.step for f in found] == [2]
