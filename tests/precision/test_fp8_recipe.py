@@ -79,7 +79,7 @@ def test_the_default_recipe_is_todays():
 
 
 @pytest.mark.parametrize(("kwargs", "words"), [
-    ({"precision": "fp8", "fp8_recipe": {"margin": 2}}, "fp8_recipe must be an ampdoctor.precision.Fp8Recipe, got dict"),
+    ({"precision": "fp8", "fp8_recipe": {"margin": 2}}, "must be an ampdoctor.precision.Fp8Recipe, got dict"),
     ({"precision": "bf16-amp", "fp8_recipe": Fp8Recipe()}, "pass precision='fp8'"),
     ({"precision": None, "fp8_recipe": Fp8Recipe(format="e4m3")}, "pass precision='fp8-e4m3'"),
     ({"precision": "fp8-e5m2", "fp8_recipe": Fp8Recipe()}, "format 'hybrid' but precision 'fp8-e5m2'"),
