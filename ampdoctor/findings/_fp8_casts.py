@@ -426,6 +426,27 @@ def emulated_candidates(ctx: Context, order: Any) -> list[Candidate]:
     return out
 
 
+def _recipe_fixes(recipe: Any, ts: list[Any]) -> tuple[FixProposal, ...]:
+    """A delayed recipe's own remedies, as ``fp8_recipe`` fixes of the whole recipe (its fields, one changed): the
+    margin that covers the largest saturated amax's jump over its scale (``ts``: saturated tensors; none for a
+    flush), and current (dynamic) scaling. A dynamic recipe cannot clip; it gets neither."""
+    if recipe.scaling != "delayed":
+        return ()
+    fields = {"format": recipe.format, "scaling": recipe.scaling, "amax_history_len": recipe.amax_history_len,
+              "margin": recipe.margin, "amax_floor": recipe.amax_floor}
+    over = max((t.scale * t.amax / _format(t.format).max for t in ts if t.saturated and t.scale > 0), default=0.0)
+    out: tuple[FixProposal, ...] = ()
+    if over > 1 and math.isfinite(over):
+        margin = recipe.margin + max(1, math.ceil(math.log2(over)))
+        out += (FixProposal(f"a margin of {margin} bit(s) in the fp8 recipe: the amax grew {over:.3g}x beyond what "
+                            "the delayed scale maps to the format max (all layers get the headroom)",
+                            f"Fp8Recipe(..., margin={margin})  # TE: DelayedScaling(margin={margin})",
+                            id="fp8_recipe", params={**fields, "margin": margin}),)
+    return out + (FixProposal("current (dynamic) scaling in the fp8 recipe: each tensor scaled by its own amax",
+                              "Fp8Recipe(scaling='dynamic')  # TE: Float8CurrentScaling()", id="fp8_recipe",
+                              params={**fields, "scaling": "dynamic"}),)
+
+
 def _emulated_role(module: str, role: str, ts: list[Any], recipe: Any, order: Any) -> list[Candidate]:
     worst = max(ts, key=lambda t: t.amax)
     zero_amax = sum(1 for t in ts if t.amax == 0)
@@ -450,8 +471,7 @@ def _emulated_role(module: str, role: str, ts: list[Any], recipe: Any, order: An
     if severity != "info":  # harmless saturation or a few flushed values need no fix
         fixes = (FixProposal(f"keep {module} out of fp8 (TE: fp8_autocast(enabled=False) around it)", "",
                              id="keep_fp32", params={"modules": [module]}),
-                 FixProposal("use current (dynamic) scaling or a margin for this layer",
-                             "Fp8Recipe(scaling='dynamic', margin=1)"))
+                 *_recipe_fixes(recipe, ts if sat_bad else []))
     if flush_bad and flush_ev.get("median_bits", 99) < flush_ev.get("format_bits", 0):
         fixes += (FixProposal("scale per channel / per block instead of per tensor, or smooth the outlier "
                               "channel into the weights (SmoothQuant)", ""),)

@@ -32,7 +32,7 @@ from ampdoctor.fixes._scope import (
     op_names,
     scopes_of,
 )
-from ampdoctor.precision import AMP_DTYPES, LOW_DTYPES
+from ampdoctor.precision import AMP_DTYPES, FP8_FORMATS, LOW_DTYPES, Fp8Recipe
 from ampdoctor.trace import HALF_DTYPES, dtype_name
 
 log = logging.getLogger(__name__)
@@ -205,6 +205,33 @@ def switch_precision(params: dict[str, Any], ctx: FixContext) -> FixPlan:
     if ctx.has_train_step and ctx.precision is None:
         desc += " (a train_step that enters its own torch.autocast keeps its own dtype: change it there)"
     return FixPlan("switch_precision", {"precision": target}, desc, snippet, (), {"precision": target}, changes)
+
+
+@register_fix("fp8_recipe", summary="run fp8 with another recipe (a margin, current scaling, a history length)",
+              params=("format", "scaling", "amax_history_len", "margin", "amax_floor"))
+def fp8_recipe(params: dict[str, Any], ctx: FixContext) -> FixPlan:
+    """A step change: the fp8 run's :class:`~ampdoctor.precision.Fp8Recipe` built from ``params`` (the fields the
+    finding read from the diagnosed recipe, with the change it proposes); the format defaults to the precision's."""
+    if ctx.precision not in FP8_FORMATS:
+        raise ValueError(f"fp8_recipe changes the recipe of an fp8 run; the diagnosed precision is {ctx.precision!r} "
+                         f"(one of {', '.join(map(repr, FP8_FORMATS))} is needed)")
+    fields = {"format": FP8_FORMATS[ctx.precision], **params}
+    recipe = Fp8Recipe(**fields)  # ValueError naming the field for a bad value
+    if recipe.format != FP8_FORMATS[ctx.precision]:
+        raise ValueError(f"fp8_recipe format {recipe.format!r} does not match precision {ctx.precision!r}")
+    args = ", ".join(f"{k}={v!r}" for k, v in fields.items())
+    fmt_name = recipe.format.upper()
+    if recipe.scaling == "delayed":
+        te_scaling = (f"DelayedScaling(fp8_format=Format.{fmt_name}, amax_history_len={recipe.amax_history_len}, "
+                      f"amax_compute_algo='max', margin={recipe.margin})")
+    else:
+        te_scaling = f"Float8CurrentScaling(fp8_format=Format.{fmt_name})  # the scale from each tensor's own amax"
+    snippet = (f"# Transformer Engine\nrecipe = {te_scaling}\nwith te.fp8_autocast(enabled=True, fp8_recipe=recipe):\n"
+               "    loss = loss_fn(model(**batch), batch)\n"
+               f"# ampdoctor: diagnose(..., precision={ctx.precision!r}, fp8_recipe=Fp8Recipe({args}))")
+    desc = (f"run fp8 with {recipe.scaling} scaling, margin {recipe.margin}"
+            + (f", amax history {recipe.amax_history_len}" if recipe.scaling == "delayed" else ""))
+    return FixPlan("fp8_recipe", fields, desc, snippet, (), {"fp8_recipe": recipe}, (snippet,))
 
 
 @register_fix("clamp", summary="clamp a module's output to ±(fp16 max - 1000) whatever its dtype",

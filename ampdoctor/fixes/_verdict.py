@@ -104,9 +104,9 @@ def _finite_curve(c: Curve) -> bool:
 
 
 def apply_plan(spec: StepSpec, plan: FixPlan) -> StepSpec:
-    """The step with the plan's transforms added and its step changes (precision, scaler) made."""
+    """The step with the plan's transforms added and its step changes (precision, scaler, fp8 recipe) made."""
     changes = dict(plan.spec_changes)
-    bad = sorted(set(changes) - {"precision", "scaler"})
+    bad = sorted(set(changes) - {"precision", "scaler", "fp8_recipe"})
     if bad:
         raise ValueError(f"fix {plan.id!r} changes unsupported step fields {bad}")
     return replace(spec, transforms=tuple(spec.transforms) + tuple(plan.transforms), **changes)

@@ -33,6 +33,7 @@ from ampdoctor.precision._positions import first_position, headroom_curve, posit
 from ampdoctor.precision._runner import ParamState, RunResult, run
 from ampdoctor.precision._shared_copy import SharedCopy
 from ampdoctor.precision._spec import (
+    FP8_FORMATS,
     MAX_STEPS,
     PRECISIONS,
     ScenarioError,
@@ -81,6 +82,7 @@ __all__ = [
     "validate_generation",
     "POLICIES",
     "Fp8Autocast",
+    "FP8_FORMATS",
     "Fp8Recipe",
     "Fp8Stats",
     "Fp8TensorStats",

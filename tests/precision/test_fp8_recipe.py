@@ -107,3 +107,47 @@ def test_a_scenario_may_return_its_recipe(tmp_path):
         "            'fp8_recipe': Fp8Recipe(amax_history_len=1)}\n")
     found = _clipping(ampdoctor.diagnose_file(str(path)))
     assert [f.step for f in found] == [2]
+
+
+# --- the recipe fix: the finding's margin / dynamic proposals change the recipe and are verified ----------------
+
+def _spec(recipe: Fp8Recipe):
+    from ampdoctor.precision import make_spec
+
+    model = Scheduled()
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1)) * 3.0
+    return make_spec(model, x, precision="fp8", steps=len(GAINS),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=1e-6),
+                     loss_fn=lambda out, b: out.float().mean(), fp8_recipe=recipe)
+
+
+def test_the_clipping_finding_proposes_the_margin_that_covers_the_jump_and_it_verifies():
+    from ampdoctor.diagnose import diagnose_spec
+    from ampdoctor.fixes import verify
+
+    spec = _spec(Fp8Recipe(amax_history_len=1))
+    report = diagnose_spec(spec)
+    (f,) = _clipping(report)
+    recipe_fixes = [p for p in f.fixes if p.id == "fp8_recipe"]
+    base = {"format": "hybrid", "scaling": "delayed", "amax_history_len": 1, "margin": 0, "amax_floor": 1e-12}
+    # 2.5x over the scale -> ceil(log2 2.5) = 2 bits; and current scaling, the other fields kept
+    assert [p.params for p in recipe_fixes] == [{**base, "margin": 2}, {**base, "scaling": "dynamic"}]
+    v = verify(recipe_fixes[0], spec, report=report)
+    assert v.verified, v.reason
+    d = v.to_dict()
+    assert d["report_ok"] and "fp8-scale@proj" not in d["remaining"]
+    assert d["max_rel_err_curve"] < d["max_rel_err_curve_broken"]
+
+
+def test_the_recipe_fix_refuses_a_non_fp8_run_and_bad_fields():
+    from ampdoctor.fixes import FixContext, build_plan
+
+    plan = build_plan("fp8_recipe", {"margin": 2}, FixContext("fp8-e4m3"))
+    assert plan.spec_changes == {"fp8_recipe": Fp8Recipe(format="e4m3", margin=2)}
+    assert "DelayedScaling(fp8_format=Format.E4M3" in plan.snippet and "margin=2" in plan.snippet
+    with pytest.raises(ValueError, match="recipe of an fp8 run; the diagnosed precision is 'bf16-amp'"):
+        build_plan("fp8_recipe", {"margin": 2}, FixContext("bf16-amp"))
+    with pytest.raises(ValueError, match="margin must be an int >= 0"):
+        build_plan("fp8_recipe", {"margin": -1}, FixContext("fp8"))
+    with pytest.raises(ValueError, match="does not match precision 'fp8'"):
+        build_plan("fp8_recipe", {"format": "e5m2"}, FixContext("fp8"))
