@@ -101,15 +101,35 @@ def _lost(w: WriteRecord) -> bool:
     return w.fraction_lost > LOST_FRACTION or not 1 / DEVIATION <= ratio <= DEVIATION
 
 
-def _blown_up(ctx: Context, w: WriteRecord, ref: WriteRecord | None) -> float | None:
+def _typical_steps(ctx: Context) -> dict[tuple[int, str], float]:
+    """Per (step, op): the median per-element update of the fp32 reference's parameter writes -- the size of a
+    healthy step of that optimizer op in this run."""
+    per: dict[tuple[int, str], list[float]] = {}
+    for r in ctx.reference.trace.writes if ctx.reference is not None else ():
+        n, a = r.stats.get("numel", 0.0), r.stats.get("applied", math.nan)
+        if r.target == "parameter" and n > 0 and math.isfinite(a):
+            per.setdefault((r.step, r.op), []).append(a / n)
+    return {k: sorted(v)[len(v) // 2] for k, v in per.items()}
+
+
+def _blown_up(ctx: Context, w: WriteRecord, ref: WriteRecord | None,
+              typical: dict[tuple[int, str], float]) -> float | None:
     """``applied / applied_fp32`` when a 16-bit write applies more than :data:`BLOWN_UP` times the update of the
     fp32 reference's same write (both finite; a ratio a loss scale explains is ``loss-scaling-misuse``'s), else
     None. The write log's own re-run cannot see this: computed wider from the same flushed inputs, the exact update
-    is as large."""
-    if ref is None or w.dtype not in HALF:
+    is as large. Parameters only: a buffer's write (BatchNorm's running statistics, an EMA of activations) follows
+    the activations it averages, whose low-precision error is the precision rules' to judge -- at initialisation a
+    running mean moves by ~0.1 x a batch mean near 0, so a ratio to fp32's tiny update says nothing."""
+    if ref is None or w.dtype not in HALF or w.target != "parameter":
         return None
     a, r = w.stats.get("applied", math.nan), ref.stats.get("applied", math.nan)
     if not (math.isfinite(a) and math.isfinite(r) and r > 0 and a > BLOWN_UP * r):
+        return None
+    # and beyond a healthy step of the same op: a write whose fp32 update is itself noise (a conv bias before a
+    # BatchNorm, whose true gradient is 0: Adam moves it ~lr * g / eps in fp32, ~lr in bf16) is not blown up
+    n = w.stats.get("numel", 0.0)
+    step = typical.get((w.step, w.op))
+    if n > 0 and step is not None and a / n <= BLOWN_UP * step:
         return None
     scales = ctx.target.step_scales
     if w.step < len(scales) and _scale_ratio(a, r, scales[w.step]) is not None:
@@ -145,13 +165,13 @@ def _worst_per_owner(ctx: Context, seen: set[str]) -> list[tuple[WriteRecord, Wr
     """Per owning module not in ``seen``: its first step with a lost or blown-up write, and there the write that
     blows up most, else drops the largest update (AdamW's weight decay ``mul_(1 - lr * wd)`` and its ``addcdiv_``
     can both be lost). Each with its reference write and its blow-up ratio (None for a lost one)."""
-    refs = _ref_writes(ctx)
+    refs, typical = _ref_writes(ctx), _typical_steps(ctx)
     best: dict[str, tuple[WriteRecord, WriteRecord | None, float | None]] = {}
     for w in ctx.target.trace.writes:
         if w.owner in seen:
             continue
         ref = refs.get(w.key)
-        blown = _blown_up(ctx, w, ref)
+        blown = _blown_up(ctx, w, ref, typical)
         if blown is None:
             if not _lost(w):
                 continue
