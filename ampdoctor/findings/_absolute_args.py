@@ -84,21 +84,9 @@ class LostArgument:
     origin_absmax: float
 
 
-def _comparison(ctx: Context, r: OpRecord) -> OpRecord | None:
-    """The reference record, or for a cast only the target makes (``t.to(dtype)`` is a no-op in the float32
-    reference; autocast's copies) the cast's own input."""
-    ref = ctx.ref(r)
-    if ref is not None:
-        return ref
-    if r.kind == "op" and op_base(r.op) in CASTS and r.inputs and r.inputs[0] >= 0:
-        src = ctx.records[r.inputs[0]]
-        return src if src.shape == r.shape else None
-    return None
-
-
 def _max_abs_diff(ctx: Context, r: OpRecord, bound: float = math.inf) -> float | None:
     """Largest sampled ``|target - reference|`` of ``r`` over elements whose reference is below ``bound``."""
-    ref = _comparison(ctx, r)
+    ref = ctx.ref_or_cast_input(r)
     if ref is None or not r.sample or len(r.sample) != len(ref.sample):
         return None
     d = [abs(a - b) for a, b in zip(r.sample, ref.sample) if math.isfinite(a) and math.isfinite(b) and abs(b) < bound]
@@ -126,7 +114,7 @@ def _origin(ctx: Context, arg: OpRecord) -> tuple[OpRecord, float] | None:
         if x.kind not in ("op", "batch") or not is_low(x.dtype) or op_base(x.op) in ALIAS_OPS:
             continue
         d = _max_abs_diff(ctx, x, SENTINEL)
-        cmp = _comparison(ctx, x)
+        cmp = ctx.ref_or_cast_input(x)
         size = float((cmp or x).stats.get("absmax", 0.0))
         if d is not None and 0 < d <= ROUNDING_SLACK * size * unit_roundoff(x.dtype):  # a rounding, not a mismatch
             cands.append((x, d))

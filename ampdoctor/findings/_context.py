@@ -19,7 +19,7 @@ from functools import cached_property
 from typing import Any
 
 from ampdoctor.findings import _analysis, _elementwise
-from ampdoctor.findings._common import dtype_name, feeders, group_by_owner, limits, op_base
+from ampdoctor.findings._common import CASTS, dtype_name, feeders, group_by_owner, limits, op_base
 from ampdoctor.precision import RunResult, StepSpec
 from ampdoctor.trace import Lineage, OpRecord, analyse_lineage, has_nan, is_nonfinite
 
@@ -72,6 +72,17 @@ class Context:
         if cand is None or cand.shape != r.shape:
             return None
         return cand
+
+    def ref_or_cast_input(self, r: OpRecord) -> OpRecord | None:
+        """:meth:`ref`, or for a cast only the target makes (``t.to(dtype)`` is a no-op in the float32 reference;
+        autocast's copies) the cast's own input, which holds the values before the rounding."""
+        ref = self.ref(r)
+        if ref is not None:
+            return ref
+        if r.kind == "op" and op_base(r.op) in CASTS and r.inputs and r.inputs[0] >= 0:
+            src = self.records[r.inputs[0]]
+            return src if src.shape == r.shape else None
+        return None
 
     def target_index(self, ref: OpRecord) -> int | None:
         """The index of the first target record aligned with reference record ``ref`` (``None`` if none is)."""

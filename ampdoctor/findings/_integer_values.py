@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ampdoctor.findings._analysis import output_deviation
-from ampdoctor.findings._common import CASTS, base_evidence, dtype_name, fmt, is_low, op_base, unit_roundoff, where
+from ampdoctor.findings._common import base_evidence, dtype_name, fmt, is_low, op_base, unit_roundoff, where
 from ampdoctor.findings._context import Context
 from ampdoctor.findings._elementwise import AMPLIFIERS
 from ampdoctor.findings._graph import descendants
@@ -53,21 +53,10 @@ def exact_integers(dtype: torch.dtype | str) -> int:
     return 2 ** round(-math.log2(unit_roundoff(dtype)))
 
 
-def _comparison(ctx: Context, r: OpRecord) -> OpRecord | None:
-    """The reference record, or for a cast only the target makes (autocast), the cast's own input."""
-    ref = ctx.ref(r)
-    if ref is not None:
-        return ref
-    if r.kind == "op" and op_base(r.op) in CASTS and r.inputs and r.inputs[0] >= 0:
-        src = ctx.records[r.inputs[0]]
-        return src if src.shape == r.shape else None
-    return None
-
-
 def _rounding(ctx: Context, r: OpRecord) -> IntegerRounding | None:
     if r.kind not in ("op", "batch") or r.phase != "forward" or not is_low(r.dtype) or not r.sample:
         return None
-    ref = _comparison(ctx, r)
+    ref = ctx.ref_or_cast_input(r)
     if ref is None or not ref.sample or len(ref.sample) != len(r.sample):
         return None
     if not all(math.isfinite(b) and b == round(b) for b in ref.sample):
