@@ -38,17 +38,24 @@ def training_step_replay(model: Any, batch: Any, optimizer: Any = None, scaler: 
     loss = out.get("loss") if isinstance(out, Mapping) else out
     if manual or not isinstance(loss, torch.Tensor):
         return loss if isinstance(loss, torch.Tensor) else None
+    if loss.requires_grad:
+        _backward_and_step(loss, optimizer, scaler)
+    elif optimizer is not None:
+        optimizer.zero_grad()
+    return loss
+
+
+def _backward_and_step(loss: torch.Tensor, optimizer: Any, scaler: Any) -> None:
+    """``zero_grad``, ``backward`` of the (scaled) loss and the (scaler's) optimizer step, as a training loop does."""
     if optimizer is not None:
         optimizer.zero_grad()
-    if loss.requires_grad:
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        if optimizer is not None:
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-    return loss
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    if optimizer is not None:
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
 
 
 class CallsReplay:
@@ -77,15 +84,7 @@ class CallsReplay:
             self.forward_only = True
             return None
         loss = torch.stack([x.float() for x in losses]).sum()
-        if optimizer is not None:
-            optimizer.zero_grad()
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        if optimizer is not None:
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
+        _backward_and_step(loss, optimizer, scaler)
         return loss
 
 
