@@ -24,7 +24,7 @@ from ampdoctor.precision._step import (
     StepLoop,
     prepare,
 )
-from ampdoctor.trace import HALF_DTYPES, Trace, TraceResult, iter_tensors
+from ampdoctor.trace import FULL, HALF_DTYPES, REFERENCE, REFERENCE_HEADROOM, Request, Trace, TraceResult, iter_tensors
 
 log = logging.getLogger(__name__)
 
@@ -162,10 +162,13 @@ class _TraceObserver(Observer):
     """The diagnosis's observer: the op-level trace (its write log gives lost updates), gradient coverage and
     the loss/output marks."""
 
-    def __init__(self, spec: StepSpec, prep: Prepared, result: RunResult, headroom: bool) -> None:
+    def __init__(self, spec: StepSpec, prep: Prepared, result: RunResult, headroom: bool,
+                 request: Request | None = None) -> None:
         model, opt = prep.model, prep.optimizer
         self.spec, self.result, self.opt = spec, result, opt
-        self.tr = Trace(model, opt, full=True)
+        if request is None:  # what the findings read of each run (the read audit: ampdoctor.trace.Request)
+            request = FULL if not prep.reference else REFERENCE_HEADROOM if headroom else REFERENCE
+        self.tr = Trace(model, opt, full=True, request=request)
         self.tr.mode.headroom = headroom
         self.tr.mode.writes.measure = _measured_writes(spec, prep.reference)
         self.names = self.tr.attribution.param_names
@@ -279,8 +282,12 @@ def _describe(prep: Prepared, result: RunResult, names: dict[int, str], owners: 
 
 
 def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: bool = False,
-        headroom: bool = False, reuse: SharedCopy | None = None, hand_over: SharedCopy | None = None) -> RunResult:
+        headroom: bool = False, reuse: SharedCopy | None = None, hand_over: SharedCopy | None = None,
+        request: Request | None = None) -> RunResult:
     """Run ``spec.steps`` traced steps on copies; ``reference=True`` is the float32, autocast-free run.
+
+    ``request``: the statistics the run's reader needs (``ampdoctor.trace.Request``); by default what the findings
+    read of a diagnosis's target (``FULL``) or reference (``REFERENCE``, ``REFERENCE_HEADROOM`` with ``headroom``).
 
     ``reuse``: make the copy over the storages a previous run handed over; ``hand_over``: hand this run's copy's
     storages over to the next run when it is done (:class:`~ampdoctor.precision._shared_copy.SharedCopy`; the
@@ -294,7 +301,7 @@ def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: b
     prep = prepare(spec, reference=reference, shared=reuse)
     result = RunResult("reference" if reference else "target", prep.precision, TraceResult([], True),
                        device=str(prep.device))
-    observer = _TraceObserver(spec, prep, result, headroom)
+    observer = _TraceObserver(spec, prep, result, headroom, request)
     _describe(prep, result, observer.names, observer.owners)
     loop = StepLoop(spec, prep, policy=policy, observers=(observer,))
     done = loop.run(spec.steps)

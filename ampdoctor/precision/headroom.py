@@ -20,7 +20,7 @@ from ampdoctor.precision._cuda_policy import DEVICE_KINDS, policy_for
 from ampdoctor.precision._runner import run
 from ampdoctor.precision._spec import StepSpec, make_spec
 from ampdoctor.precision._step import saved_rng
-from ampdoctor.trace import HEADROOM_FORMATS
+from ampdoctor.trace import HEADROOM_FORMATS, HEADROOM_ONLY
 
 FORMATS: tuple[str, ...] = tuple(name for name, _, _ in HEADROOM_FORMATS)
 _MAX = {name: mx for name, mx, _ in HEADROOM_FORMATS}
@@ -124,7 +124,7 @@ def headroom(model: Any, batch: Any = None, *, loss_fn: Any = None, train_step: 
 def headroom_spec(spec: StepSpec) -> Headroom:
     spec = headroom_run_spec(spec)
     with saved_rng():
-        res = run(spec, reference=True, headroom=True)
+        res = run(spec, reference=True, headroom=True, request=HEADROOM_ONLY)  # read by headroom_from_run only
     return headroom_from_run(spec, res)
 
 

@@ -73,7 +73,16 @@ from ampdoctor.trace._ops import (
     ops_with_literal,
     torch_names,
 )
-from ampdoctor.trace._stats import CHEAP_FIELDS, FULL_FIELDS, dtype_limits
+from ampdoctor.trace._stats import (
+    CHEAP_FIELDS,
+    FULL,
+    FULL_FIELDS,
+    HEADROOM_ONLY,
+    REFERENCE,
+    REFERENCE_HEADROOM,
+    Request,
+    dtype_limits,
+)
 from ampdoctor.trace._writes import WRITE_FIELDS, WriteRecord, state_index
 
 __all__ = [
@@ -128,6 +137,11 @@ __all__ = [
     "analyse_lineage",
     "WriteRecord",
     "WRITE_FIELDS",
+    "Request",
+    "FULL",
+    "REFERENCE",
+    "REFERENCE_HEADROOM",
+    "HEADROOM_ONLY",
 ]
 
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
@@ -170,13 +184,17 @@ class TraceResult:
 class Trace:
     """Context manager that records a model's ops. Use :func:`trace` to make one."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, full: bool = False):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, full: bool = False,
+                 request: Request = FULL):
         if not isinstance(model, nn.Module):
             raise TypeError(f"trace() needs an nn.Module, got {type(model).__name__}")
+        if not isinstance(request, Request):
+            raise TypeError(f"trace(request=...) needs an ampdoctor.trace.Request, got {type(request).__name__}")
         self.model = model
         self.optimizer = optimizer
         self.attribution = ModuleAttribution(model)
         self.mode = RecordingMode(self.attribution, full=full)
+        self.mode.request = request
         self._handles: list[Any] = []
         self._active = False
         self.marks: dict[str, list[int]] = {}
@@ -314,8 +332,11 @@ class _paused:
             self.mode.enabled = self.prev
 
 
-def trace(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, full: bool = False) -> Trace:
+def trace(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, full: bool = False,
+          request: Request = FULL) -> Trace:
     """Observe every aten op that ``model`` (and ``optimizer.step``) runs inside the ``with`` block.
+
+    ``request`` (full tier): which statistics to compute (:class:`Request`; those left out read NaN).
 
     >>> with trace(model, opt) as t:                     # doctest: +SKIP
     ...     model(x).sum().backward(); opt.step()
@@ -323,4 +344,4 @@ def trace(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, f
 
     Leaves the model, optimizer and results untouched; syncs with the device only in :meth:`Trace.result`.
     """
-    return Trace(model, optimizer, full=full)
+    return Trace(model, optimizer, full=full, request=request)

@@ -23,6 +23,7 @@ from ampdoctor.trace._ops import Literal, literal_values
 from ampdoctor.trace._sample import Sketches
 from ampdoctor.trace._stats import (
     CHEAP_FIELDS,
+    FULL,
     FULL_FIELDS,
     HEADROOM_FORMATS,
     Scratch,
@@ -122,6 +123,8 @@ class RecordingMode(TorchDispatchMode):
         self.batch_ptrs: set[int] = set()
         self.enabled = True
         self.headroom = False
+        #: which full-row statistics this run computes (``trace._stats.Request``: the caller's analysis declares it)
+        self.request = FULL
         self.scratch = Scratch()
         self._row_base = 0
         self._read_upto = 0
@@ -404,8 +407,8 @@ class RecordingMode(TorchDispatchMode):
         try:  # (:func:`_safe` inlined: once per forward and backward output)
             if torch._C._len_torch_dispatch_stack():
                 with _disable_current_modes():
-                    return full_stats(t, bounded, self.scratch, self.headroom)
-            return full_stats(t, bounded, self.scratch, self.headroom)
+                    return full_stats(t, bounded, self.scratch, self.headroom, self.request)
+            return full_stats(t, bounded, self.scratch, self.headroom, self.request)
         except Exception:  # noqa: BLE001 - observation must not raise into user code
             width = len(FULL_FIELDS) + (len(HEADROOM_FORMATS) if self.headroom else 0)
             return torch.full((width,), math.nan, dtype=torch.float64, device=t.device)

@@ -7,6 +7,7 @@ step. The field order is fixed by :data:`FULL_FIELDS` / :data:`CHEAP_FIELDS`.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,6 +38,38 @@ FULL_FIELDS: tuple[str, ...] = (
 CHEAP_FIELDS: tuple[str, ...] = ("min", "max")
 
 _FP8 = FP8_DTYPES
+
+
+@dataclass(frozen=True)
+class Request:
+    """Which of a full row's statistics a traced run computes; a field not asked for reads NaN ("not measured").
+
+    The run's caller declares it from what its analysis reads (the read audit, ``bench/trace_reads.py`` and
+    ``bench/results/trace_overhead.md``): the diagnosis's runner asks :data:`FULL` of the target run and
+    :data:`REFERENCE` of the fp32 reference; a run read only by ``headroom`` / ``check``'s quick pass asks
+    :data:`HEADROOM_ONLY`. The range, the zero and non-finite counts and ``numel`` are always computed (every reader
+    reads them); lite rows (optimizer outputs, parameter leaves) are one ``aminmax`` in every request."""
+
+    #: ``norm``: the relative-error comparisons (``findings._analysis``), the report's layer table
+    norm: bool = True
+    #: ``n_subnormal``: evidence of the target's underflow and precision-loss findings (their inputs' subnormals)
+    subnormal: bool = True
+    #: ``n_at_max``: fp8 saturation in the target; the fp32 run's max sentinels in ``headroom`` and ``triage``
+    at_max: bool = True
+    #: ``n_at_limit``: a bounded op's outputs at its bound, target and reference (``saturated_records``)
+    at_limit: bool = True
+
+
+#: every statistic (``trace(full=True)``'s default; the diagnosis's target run)
+FULL = Request()
+#: the diagnosis's fp32 reference: no finding reads its subnormal or at-max counts (``flush_of`` passes the
+#: reference's row on, its readers take ``absmax``/``min_nonzero``/``n_zero``); shared with ``headroom`` it keeps
+#: ``n_at_max`` (:data:`REFERENCE_HEADROOM`)
+REFERENCE = Request(subnormal=False, at_max=False)
+REFERENCE_HEADROOM = Request(subnormal=False)
+#: a run read only by ``headroom_from_run`` and ``check``'s quick pass (``triage``): range, zeros, flush counts,
+#: non-finite counts, ``n_at_max``, samples -- no norm, no subnormal or at-limit count
+HEADROOM_ONLY = Request(norm=False, subnormal=False, at_limit=False)
 
 #: Ops whose output is bounded (the op registry's bounds); ``n_at_limit`` counts outputs that reached it exactly.
 BOUNDED_OPS: dict[str, str] = {name: info.bound.stat for name, info in OPS.items() if info.bound is not None}
@@ -167,8 +200,9 @@ CPU_CHUNK = 1 << 18
 
 
 def full_stats(t: torch.Tensor, bounded: str | None = None, scratch: Scratch | None = None,
-               flush: bool = False) -> torch.Tensor | list[float]:
-    """Full statistics of ``t`` in :data:`FULL_FIELDS` order (+ :func:`flush_counts` if ``flush``).
+               flush: bool = False, req: Request = FULL) -> torch.Tensor | list[float]:
+    """Full statistics of ``t`` in :data:`FULL_FIELDS` order (+ :func:`flush_counts` if ``flush``); the fields
+    ``req`` does not ask for read NaN.
 
     No host sync on an accelerator: a float64 tensor row, read back once per step. A CPU tensor (where reading a
     value back is no sync) takes :func:`_host_row` when it is all finite: the same numbers as a host list, from
@@ -180,16 +214,20 @@ def full_stats(t: torch.Tensor, bounded: str | None = None, scratch: Scratch | N
         row = torch.tensor([0.0, math.inf, 0, 0, 0, 0, 0, 0, 0, 0, 0], dtype=torch.float64, device=dev)
         return torch.cat([row, flush_counts(t, scratch)]) if flush else row
     sc = scratch if scratch is not None else Scratch()
+    if not req.at_limit:
+        bounded = None
     if dev.type in HOST_DEVICES and not (flush and x.dtype == torch.float64):
-        values = _host_row(x, finfo, bounded, sc, flush)
+        values = _host_row(x, finfo, bounded, sc, flush, req)
         if values is not None:
             return values
-    row = _row(scratch, _device_row(x, finfo, bounded, sc), None, dev)
+    row = _row(scratch, _device_row(x, finfo, bounded, sc, req), None, dev)
     return torch.cat([row, flush_counts(t, sc)]) if flush else row
 
 
-def _device_row(x: torch.Tensor, finfo: torch.finfo, bounded: str | None, sc: Scratch) -> list[torch.Tensor]:
-    """:data:`FULL_FIELDS` of a contiguous non-empty tensor as 0-d tensors: no host read (any device, any value)."""
+def _device_row(x: torch.Tensor, finfo: torch.finfo, bounded: str | None, sc: Scratch,
+                req: Request = FULL) -> list[torch.Tensor]:
+    """:data:`FULL_FIELDS` of a contiguous non-empty tensor as 0-d tensors: no host read (any device, any value).
+    Fields ``req`` leaves out are NaN (no pass)."""
     n = x.numel()
     dev = x.device
     b = sc.bools(x)
@@ -205,23 +243,27 @@ def _device_row(x: torch.Tensor, finfo: torch.finfo, bounded: str | None, sc: Sc
         n_lim = cnt(torch.eq(x, 1, out=b)) + (n - n_nonzero)
     elif bounded == "1":
         n_lim = cnt(torch.eq(x, 1, out=b))
-    else:
+    elif req.at_limit:
         n_lim = torch.zeros((), dtype=torch.int64, device=dev)
-    n_at_max = cnt(torch.eq(a, finfo.max, out=b))
+    else:
+        n_lim = torch.full((), math.nan, dtype=torch.float64, device=dev)
+    n_at_max = cnt(torch.eq(a, finfo.max, out=b)) if req.at_max else torch.full((), math.nan, device=dev)
     torch.nan_to_num_(a, nan=0.0, posinf=0.0, neginf=0.0)  # finite magnitudes only from here on
     absmax = a.amax()
     n_nonfinite = n_nan + n_posinf + n_neginf
     n_zero = n - n_nonzero
-    n_sub = cnt(torch.lt(a, finfo.tiny, out=b)) - n_zero - n_nonfinite
-    norm = torch.linalg.vector_norm(a, dtype=torch.float64 if a.dtype == torch.float64 else torch.float32)
+    n_sub = (cnt(torch.lt(a, finfo.tiny, out=b)) - n_zero - n_nonfinite if req.subnormal
+             else torch.full((), math.nan, device=dev))
+    norm = (torch.linalg.vector_norm(a, dtype=torch.float64 if a.dtype == torch.float64 else torch.float32)
+            if req.norm else torch.full((), math.nan, device=dev))
     a.masked_fill_(torch.eq(a, 0, out=b), math.inf)
     min_nz = a.amin()
     return [absmax, min_nz, n_nan, n_posinf, n_neginf, n_zero, n_sub, n_at_max,
             torch.full((), float(n), device=dev), norm, n_lim]
 
 
-def _host_row(x: torch.Tensor, finfo: torch.finfo, bounded: str | None, sc: Scratch,
-              flush: bool) -> list[float] | None:
+def _host_row(x: torch.Tensor, finfo: torch.finfo, bounded: str | None, sc: Scratch,  # long: one pass plan
+              flush: bool, req: Request = FULL) -> list[float] | None:
     """:func:`full_stats` values of a contiguous CPU tensor that holds no inf or NaN; ``None`` if it holds any.
 
     Walks ``x`` in chunks of :data:`CPU_CHUNK` elements: ``abs`` into a chunk-sized scratch buffer and one
@@ -229,8 +271,11 @@ def _host_row(x: torch.Tensor, finfo: torch.finfo, bounded: str | None, sc: Scra
     its min, a subnormal or a flush-to-zero candidate in the smallest nonzero magnitude. Counts known to be zero
     are skipped; zeros are counted and masked with float ops (``sign``, a sum, one ``add``), several times faster
     on CPU than comparisons into a bool mask. The norm is one pass over ``x`` (``|x|**2 == x**2``, same order):
-    every number is bit-identical to :func:`_device_row` (and :func:`flush_counts`)."""
+    every number is bit-identical to :func:`_device_row` (and :func:`flush_counts`). A count ``req`` leaves out is
+    neither counted nor decided on (NaN)."""
     n = x.numel()
+    lo_ok = finfo.tiny if req.subnormal else 0.0  # (a smallest magnitude from here up needs no count)
+    hi_ok = finfo.max if req.at_max else math.inf
     if n <= CPU_CHUNK:  # one chunk (most outputs): no loop, and a range inside every bound needs no count at all
         a = torch.abs(x, out=sc.floats(x))
         mn, mx = torch.aminmax(a)
@@ -241,10 +286,10 @@ def _host_row(x: torch.Tensor, finfo: torch.finfo, bounded: str | None, sc: Scra
         absmax = hi
         counts = [0, 0, 0, 0]  # zeros, subnormals, at max, at the op's bound
         flushed = [0] * len(HEADROOM_FORMATS)
-        if bounded is None and not flush and lo >= finfo.tiny and hi < finfo.max:
+        if bounded is None and not flush and lo >= lo_ok and lo > 0.0 and hi < hi_ok:
             min_nz = lo
         else:
-            min_nz = _chunk_counts(x, a, lo, hi, finfo, bounded, sc, counts, flushed if flush else None)
+            min_nz = _chunk_counts(x, a, lo, hi, finfo, bounded, sc, counts, flushed if flush else None, req)
         flat = x
     else:
         flat = x.reshape(-1)
@@ -260,20 +305,25 @@ def _host_row(x: torch.Tensor, finfo: torch.finfo, bounded: str | None, sc: Scra
                 return None
             absmax = max(absmax, hi)
             min_nz = min(min_nz, _chunk_counts(xc, a, lo, hi, finfo, bounded, sc, counts,
-                                               flushed if flush else None))
+                                               flushed if flush else None, req))
     if bounded == "01":
         counts[3] += counts[0]
     # (a float32 or float64 tensor -- 4 bytes or more -- is reduced in its own dtype: no dtype argument, the same
     # bits, less dispatch)
-    norm = torch.linalg.vector_norm(flat) if flat.dtype.itemsize >= 4 else torch.linalg.vector_norm(
-        flat, dtype=torch.float32)
-    row = [absmax, min_nz, 0.0, 0.0, 0.0, float(counts[0]), float(counts[1]), float(counts[2]), float(n),
-           norm.item(), float(counts[3])]
+    if not req.norm:
+        norm = math.nan
+    elif flat.dtype.itemsize >= 4:
+        norm = torch.linalg.vector_norm(flat).item()
+    else:
+        norm = torch.linalg.vector_norm(flat, dtype=torch.float32).item()
+    nan = math.nan
+    row = [absmax, min_nz, 0.0, 0.0, 0.0, float(counts[0]), float(counts[1]) if req.subnormal else nan,
+           float(counts[2]) if req.at_max else nan, float(n), norm, float(counts[3]) if req.at_limit else nan]
     return row + [float(f) for f in flushed] if flush else row
 
 
 def _chunk_counts(xc: torch.Tensor, a: torch.Tensor, lo: float, hi: float, finfo: torch.finfo, bounded: str | None,
-                  sc: Scratch, counts: list[int], flushed: list[int] | None) -> float:
+                  sc: Scratch, counts: list[int], flushed: list[int] | None, req: Request = FULL) -> float:
     """Add one finite chunk's counts (``a = |xc|``, ``lo``/``hi`` its range) into ``counts`` and ``flushed``;
     return the chunk's smallest nonzero magnitude (inf if none)."""
     cnt = torch.count_nonzero
@@ -281,7 +331,7 @@ def _chunk_counts(xc: torch.Tensor, a: torch.Tensor, lo: float, hi: float, finfo
         counts[3] += int(cnt(torch.eq(a, 1, out=sc.bools(a))))
     elif bounded in ("01", "1"):
         counts[3] += int(cnt(torch.eq(xc, 1, out=sc.bools(a))))
-    if hi >= finfo.max:
+    if hi >= finfo.max and req.at_max:
         counts[2] += int(cnt(torch.eq(a, finfo.max, out=sc.bools(a))))
     zeros = 0
     if lo == 0.0:
@@ -291,7 +341,7 @@ def _chunk_counts(xc: torch.Tensor, a: torch.Tensor, lo: float, hi: float, finfo
         if zeros == a.numel():
             return math.inf
         lo = torch.add(a, s.sub_(1), alpha=-finfo.max, out=s).amin().item()  # zeros read as the max
-    if lo < finfo.tiny:
+    if lo < finfo.tiny and req.subnormal:
         counts[1] += int(cnt(torch.lt(a, finfo.tiny, out=sc.bools(a)))) - zeros
     if flushed is not None:
         a32 = a if a.dtype == torch.float32 else a.float()
@@ -366,5 +416,6 @@ def cheap_stats(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.aminmax(t)
 
 
-__all__ = ["BOUNDED_OPS", "CHEAP_FIELDS", "FULL_FIELDS", "HEADROOM_FORMATS", "Scratch", "cheap_stats", "dtype_limits",
+__all__ = ["BOUNDED_OPS", "CHEAP_FIELDS", "FULL", "FULL_FIELDS", "HEADROOM_FORMATS", "HEADROOM_ONLY", "REFERENCE",
+           "REFERENCE_HEADROOM", "Request", "Scratch", "cheap_stats", "dtype_limits",
            "flush_counts", "full_stats", "lite_stats", "zeros_lite_row"]
