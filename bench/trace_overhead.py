@@ -13,6 +13,7 @@ plain (the order of the variants rotated from round to round), warm-up rounds di
     noop-mode      a TorchDispatchMode whose __torch_dispatch__ only calls func (the floor of any dispatch mode)
     trace-cheap    with ampdoctor.trace(model, opt, full=False): step; t.result()
     trace-full     with ampdoctor.trace(model, opt, full=True): step; t.result()
+    trace-ref      the same with request=ampdoctor.trace.REFERENCE: what a diagnosis's fp32 reference run computes
     hf-debug       transformers' DebugUnderflowOverflow (forward hooks on every module; attached before the timed
                    step, removed after, i.e. its steady-state per-step cost)
 
@@ -108,14 +109,18 @@ class NoopMode(Variant):
 
 
 class TraceVariant(Variant):
-    def __init__(self, full: bool) -> None:
+    def __init__(self, full: bool, reference: bool = False) -> None:
+        from ampdoctor.trace import FULL, REFERENCE
+
         self.full = full
-        self.name = "trace-full" if full else "trace-cheap"
-        self.label = f"ampdoctor.trace(full={full}) incl. enter/exit and result()"
+        self.request = REFERENCE if reference else FULL
+        self.name = "trace-ref" if reference else "trace-full" if full else "trace-cheap"
+        self.label = f"ampdoctor.trace(full={full}{', request=REFERENCE' if reference else ''}) incl. enter/exit and " \
+            "result()"
 
     @contextlib.contextmanager
     def context(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Any:
-        with ampdoctor.trace(model, opt, full=self.full) as t:
+        with ampdoctor.trace(model, opt, full=self.full, request=self.request) as t:
             yield
         t.result()
 
@@ -140,7 +145,8 @@ class HFDebug(Variant):
 
 
 def default_variants() -> list[Variant]:
-    return [Variant(), NoopMode(), TraceVariant(full=False), TraceVariant(full=True), HFDebug()]
+    return [Variant(), NoopMode(), TraceVariant(full=False), TraceVariant(full=True),
+            TraceVariant(full=True, reference=True), HFDebug()]
 
 
 # -- measurement -----------------------------------------------------------------------------------------------

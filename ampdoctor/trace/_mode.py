@@ -371,9 +371,11 @@ class RecordingMode(TorchDispatchMode):
             if phase == "optimizer" and not any(flushes_to_zero(v, t.dtype) for _, v in rec.literals):
                 self.rows.append(self._lite_row(t, d.zeros))  # (a literal 0 in the dtype: full counts, literal rules)
             else:
-                if phase != "optimizer":
+                row = self._full_row(t, d.bounded)
+                above = self.request.samples_above  # (a host row's |max| is known: a sample no reader reads is skipped)
+                if phase != "optimizer" and (not above or not isinstance(row, list) or row[0] > above):
                     self.sketch.sample(t, rec.row, self.step, phase)
-                self.rows.append(self._full_row(t, d.bounded))
+                self.rows.append(row)
         self.records.append(rec)
         key = self.pins.key(t)
         if key is not None:

@@ -58,6 +58,9 @@ class Request:
     at_max: bool = True
     #: ``n_at_limit``: a bounded op's outputs at its bound, target and reference (``saturated_records``)
     at_limit: bool = True
+    #: element samples (step 0, forward/backward) only of outputs whose finite |max| exceeds this, where the row
+    #: is computed on the host (its |max| is known when the sample is taken; a device row is always sampled)
+    samples_above: float = 0.0
 
 
 #: every statistic (``trace(full=True)``'s default; the diagnosis's target run)
@@ -68,8 +71,9 @@ FULL = Request()
 REFERENCE = Request(subnormal=False, at_max=False)
 REFERENCE_HEADROOM = Request(subnormal=False)
 #: a run read only by ``headroom_from_run`` and ``check``'s quick pass (``triage``): range, zeros, flush counts,
-#: non-finite counts, ``n_at_max``, samples -- no norm, no subnormal or at-limit count
-HEADROOM_ONLY = Request(norm=False, subnormal=False, at_limit=False)
+#: non-finite counts, ``n_at_max`` -- no norm, no subnormal or at-limit count; samples only beyond |max| 256, the
+#: only ones triage reads (integers a 16-bit format rounds: bf16 holds them exactly up to 256, fp16 up to 2048)
+HEADROOM_ONLY = Request(norm=False, subnormal=False, at_limit=False, samples_above=256.0)
 
 #: Ops whose output is bounded (the op registry's bounds); ``n_at_limit`` counts outputs that reached it exactly.
 BOUNDED_OPS: dict[str, str] = {name: info.bound.stat for name, info in OPS.items() if info.bound is not None}

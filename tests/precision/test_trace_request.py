@@ -153,3 +153,13 @@ def test_request_fields_read_nan_and_the_rest_is_bitwise_full() -> None:
     with pytest.raises(TypeError, match="Request"):
         trace(model, full=True, request="full")  # type: ignore[arg-type]
     assert Request() == FULL
+
+
+def test_headroom_samples_cover_every_integer_bound_triage_reads() -> None:
+    """``HEADROOM_ONLY`` samples only outputs beyond |max| ``samples_above``: triage reads a sample only beyond the
+    largest integer its formats hold exactly, so the bound may not exceed the smallest of those."""
+    from ampdoctor.precision.triage import QUICK
+    from ampdoctor.trace import unit_roundoff
+
+    assert 0 < HEADROOM_ONLY.samples_above <= min(1.0 / unit_roundoff(d) for d in QUICK.values())
+    assert FULL.samples_above == 0 and REFERENCE.samples_above == 0
