@@ -1,0 +1,179 @@
+"""Where a diagnosis's time goes, per run and per phase (issue 18 item 2), next to a plain step's phases.
+
+    python bench/diagnose_split.py --configs base --kind plain       # plain fp32 AdamW steps: forward/backward/step
+    python bench/diagnose_split.py --configs base --kind diagnose    # diagnose, each run split into its phases
+
+One fresh process per call (the caller interleaves them); the model is bench/scale.py's config. The split is taken
+with wall-clock timers wrapped around the runner's and the trace's own functions (a bench-only instrument; the
+library has none): per run, the copy (``prepare``), forward, backward and optimizer step (between the observer
+points), inside them the trace's statistics (``_full_row``/``_lite_row``), the step-0 samples, the write log
+(``WriteLog.before``/``after``), the heap trims and the runner's pre-optimizer hooks (coverage, gradient norm),
+then the read-back (``Trace.result``). ``handler`` = the rest of the trace's per-op bookkeeping is not separable
+from the op with timers: compare a phase with the plain step's. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import scale  # noqa: E402
+from _memory import status_gib  # noqa: E402
+
+T: dict[str, float] = defaultdict(float)  # wall seconds
+C: dict[str, float] = defaultdict(float)  # CPU seconds of this process (robust against the shared machine's load)
+N: dict[str, int] = defaultdict(int)
+
+
+def _timed(owner: Any, name: str, key: str) -> None:
+    fn = getattr(owner, name)
+
+    def wrapper(*a: Any, **k: Any) -> Any:
+        t, c = time.perf_counter(), time.process_time()
+        try:
+            return fn(*a, **k)
+        finally:
+            T[key] += time.perf_counter() - t
+            C[key] += time.process_time() - c
+            N[key] += 1
+
+    setattr(owner, name, wrapper)
+
+
+class _Clock:
+    """Phase boundaries from the observer points: the time since the last mark goes to the named phase."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.t, self.c = time.perf_counter(), time.process_time()
+
+    def mark(self, phase: str) -> None:
+        now, cpu = time.perf_counter(), time.process_time()
+        T[phase] += now - self.t
+        C[phase] += cpu - self.c
+        self.t, self.c = now, cpu
+
+
+def instrument(clock: _Clock) -> None:
+    from ampdoctor.precision import _runner
+    from ampdoctor.trace import Trace
+    from ampdoctor.trace._mode import RecordingMode
+    from ampdoctor.trace._sample import Sketches
+    from ampdoctor.trace._writes import WriteLog
+
+    for owner, name, key in [(RecordingMode, "_full_row", "  stats full"), (RecordingMode, "_lite_row", "  stats lite"),
+                             (Sketches, "sample", "  samples"), (WriteLog, "before", "  writes before"),
+                             (WriteLog, "after", "  writes after"),
+                             (_runner, "release_free_heap", "  heap trim (in step, after run)"),
+                             (_runner._TraceObserver, "_snapshot", "  coverage"),
+                             (_runner._TraceObserver, "_grad_norm", "  grad norm"),
+                             (Trace, "result", "read-back")]:
+        _timed(owner, name, key)
+    prepare = _runner.prepare
+
+    def timed_prepare(*a: Any, **k: Any) -> Any:
+        clock.mark("(between runs)")
+        out = prepare(*a, **k)
+        clock.mark("copy (prepare)")
+        return out
+
+    _runner.prepare = timed_prepare
+    obs = _runner._TraceObserver
+    hooks = {"step_start": None, "forward_done": "forward", "grads_ready": "backward", "step_end": "optimizer step"}
+    for name, phase in hooks.items():
+        orig = getattr(obs, name)
+
+        def hook(self: Any, *a: Any, _orig: Any = orig, _phase: str | None = phase, **k: Any) -> Any:
+            clock.mark(_phase or "(observer setup)")
+            return _orig(self, *a, **k)
+
+        setattr(obs, name, hook)
+    finish = obs.finish
+
+    def timed_finish(self: Any, loop: Any) -> Any:
+        clock.mark("loss read")
+        out = finish(self, loop)
+        clock.mark("finish (read-back, coverage read)")
+        return out
+
+    obs.finish = timed_finish
+
+
+def snapshot(label: str, runs: dict[str, dict[str, float]]) -> None:
+    runs[label] = {k: round(v, 2) for k, v in sorted(T.items())}
+    runs[label + " cpu"] = {k: round(v, 2) for k, v in sorted(C.items())}
+    runs[label + " calls"] = dict(N)  # type: ignore[assignment]
+    T.clear()
+    C.clear()
+    N.clear()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="base")
+    ap.add_argument("--kind", choices=["plain", "diagnose"], default="diagnose")
+    ap.add_argument("--precision", default="fp16-amp", choices=["fp16-amp", "bf16-amp"])
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model, opt, batch = scale._build(scale.CONFIGS[args.configs])
+    out: dict[str, Any] = {"config": args.configs, "kind": args.kind, "precision": args.precision,
+                           "thp": os.environ.get("THP_MEM_ALLOC_ENABLE", ""), "load": os.getloadavg()[0]}
+    runs: dict[str, dict[str, float]] = {}
+    if args.kind == "plain":
+        for i in range(2):
+            t = [(time.perf_counter(), time.process_time())]
+            opt.zero_grad(set_to_none=True)
+            loss = model(**batch).loss
+            t.append((time.perf_counter(), time.process_time()))
+            loss.backward()
+            t.append((time.perf_counter(), time.process_time()))
+            opt.step()
+            t.append((time.perf_counter(), time.process_time()))
+            float(loss.detach())
+            names = ("forward", "backward", "optimizer step")
+            runs[f"step {i + 1}"] = {n: round(b[0] - a[0], 2) for n, a, b in zip(names, t, t[1:])}
+            runs[f"step {i + 1}"]["total"] = round(t[-1][0] - t[0][0], 2)
+            runs[f"step {i + 1} cpu"] = {n: round(b[1] - a[1], 2) for n, a, b in zip(names, t, t[1:])}
+            runs[f"step {i + 1} cpu"]["total"] = round(t[-1][1] - t[0][1], 2)
+    else:
+        import ampdoctor
+
+        clock = _Clock()
+        instrument(clock)
+        marks: list[tuple[str, float, float]] = []
+
+        def progress(phase: str) -> None:
+            marks.append((phase, time.perf_counter(), time.process_time()))
+            if phase in ("target", "analysis", "done"):
+                clock.mark("(between runs)")
+                snapshot(marks[-2][0], runs)
+            clock.reset()
+
+        scaler = torch.amp.GradScaler("cpu") if args.precision == "fp16-amp" else None
+        report = ampdoctor.diagnose(model, batch, precision=args.precision, optimizer=opt, scaler=scaler,
+                                    policy="cuda", progress=progress)
+        # what must not change between settings (THP, code versions): the losses and the findings, bit for bit
+        out["result"] = {k: report.summary.get(k) for k in ("loss_reference", "loss_target", "ops_traced")}
+        found = [f"{f.code}:{f.module}:{f.op}:{f.phase}:{f.step}:{f.evidence}" for f in report.findings]
+        out["findings"] = {"n": len(found), "sha1": hashlib.sha1("\n".join(found).encode()).hexdigest()}
+        out["phase_s"] = {a[0]: round(b[1] - a[1], 2) for a, b in zip(marks, marks[1:])}
+        out["phase_cpu_s"] = {a[0]: round(b[2] - a[2], 2) for a, b in zip(marks, marks[1:])}
+    out["runs"] = runs
+    out["peak_gib"] = round(status_gib("VmHWM"), 2)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
