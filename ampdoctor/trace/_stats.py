@@ -111,20 +111,22 @@ class Scratch:
         block[1] += 1
         return row
 
-    def floats(self, x: torch.Tensor, slot: int = 0) -> torch.Tensor:
-        """A buffer shaped like ``x`` (uninitialised); ``slot`` picks one of several live at once.
+    def floats(self, x: torch.Tensor, slot: int = 0, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A buffer shaped like ``x`` (uninitialised), of ``x``'s dtype or ``dtype``; ``slot`` picks one of several
+        live at once.
 
         The view for a shape is made once and handed out again (slicing and viewing per call cost more than the
         ``abs`` of a small tensor); growing a buffer drops the views of the old one."""
         dev = x.device
-        view_key = (dev, x.dtype, slot, x.shape)
+        dtype = x.dtype if dtype is None else dtype
+        view_key = (dev, dtype, slot, x.shape)
         view = self._views.get(view_key)
         if view is not None:
             return view
-        key = (dev, x.dtype, slot)
+        key = (dev, dtype, slot)
         buf = self._float.get(key)
         if buf is None or buf.numel() < x.numel():
-            buf = torch.empty(max(x.numel(), 1024), dtype=x.dtype, device=dev)
+            buf = torch.empty(max(x.numel(), 1024), dtype=dtype, device=dev)
             self._float[key] = buf
             self._views = {k: v for k, v in self._views.items() if k[:3] != key}
         view = buf[: x.numel()].view(x.shape)
@@ -201,6 +203,8 @@ def _prepare(t: torch.Tensor) -> tuple[torch.Tensor, torch.finfo]:
 HOST_DEVICES: frozenset[str] = frozenset({"cpu"})
 #: Elements per chunk of the host path (1 MiB of float32: the scratch stays in cache).
 CPU_CHUNK = 1 << 18
+#: :class:`Scratch` slot of the float32 copy of a float16 tensor on the host path (0 and 1 are ``abs``/``sign``)
+_F16_SLOT = 2
 
 
 def full_stats(t: torch.Tensor, bounded: str | None = None, scratch: Scratch | None = None,
@@ -221,7 +225,11 @@ def full_stats(t: torch.Tensor, bounded: str | None = None, scratch: Scratch | N
     if not req.at_limit:
         bounded = None
     if dev.type in HOST_DEVICES and not (flush and x.dtype == torch.float64):
-        values = _host_row(x, finfo, bounded, sc, flush, req)
+        # float16 through a float32 copy (``finfo`` stays float16's): torch's CPU float16 abs/aminmax/norm kernels
+        # cost ~3x the float32 ones plus the copy (bfloat16's do not), and every value is exact in float32, so each
+        # field is the same number (the norm was already accumulated in float32); issue 18, ``perf750`` bench notes
+        xh = torch.Tensor.copy_(sc.floats(x, _F16_SLOT, torch.float32), x) if x.dtype == torch.float16 else x
+        values = _host_row(xh, finfo, bounded, sc, flush, req)
         if values is not None:
             return values
     row = _row(scratch, _device_row(x, finfo, bounded, sc, req), None, dev)

@@ -42,8 +42,13 @@ def _tensors() -> dict[str, torch.Tensor]:
     big = torch.relu(torch.randn(_stats.CPU_CHUNK * 2 + 17, generator=g))  # three chunks, zeros in each
     big[_stats.CPU_CHUNK + 5] = 1e-42
     half = (x * 1e-5).half()  # fp16 subnormals and zeros, flush candidates for every format
+    # float16 takes the host path through a float32 copy with float16's limits: its max, ones, subnormals, zeros and
+    # a chunked tensor (a float32 limit or an unconverted chunk would change these counts)
+    half_max = torch.tanh(x * 30).half() * 65504
+    half_big = big.half() * 1e-4
+    half_big[3] = 65504
     return {"randn": x, "relu": relu, "subnormal": sub, "at_max": at_max, "softmax": soft, "tanh": tanh,
-            "chunked": big, "fp16": half, "bf16": (x * 1e-30).bfloat16(), "zeros": torch.zeros(7, 9),
+            "chunked": big, "fp16": half, "fp16_max": half_max, "fp16_chunked": half_big, "bf16": (x * 1e-30).bfloat16(), "zeros": torch.zeros(7, 9),
             "fp64": x.double() * 1e-310, "strided": x.transpose(0, 2), "e4m3": (x * 1e-3).to(torch.float8_e4m3fn)}
 
 
@@ -69,6 +74,8 @@ def test_host_path_taken_and_counts_nonzero() -> None:
     assert rows["subnormal"][field["n_subnormal"]] > 1000 and rows["chunked"][field["n_subnormal"]] == 1
     assert rows["at_max"][field["n_at_max"]] == 3 and rows["softmax"][field["n_at_limit"]] > 10
     assert sum(rows["fp16"][len(FULL_FIELDS):]) > 0 and rows["fp16"][field["n_subnormal"]] > 0  # fp8 would flush
+    assert rows["fp16_max"][field["n_at_max"]] > 10 and rows["fp16_chunked"][field["n_subnormal"]] > 1000
+    assert rows["fp16_chunked"][field["n_at_max"]] == 1 and isinstance(rows["fp16_max"], list)
     assert rows["zeros"][field["min_nonzero"]] == math.inf
 
 
