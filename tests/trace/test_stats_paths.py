@@ -48,7 +48,8 @@ def _tensors() -> dict[str, torch.Tensor]:
     half_big = big.half() * 1e-4
     half_big[3] = 65504
     return {"randn": x, "relu": relu, "subnormal": sub, "at_max": at_max, "softmax": soft, "tanh": tanh,
-            "chunked": big, "fp16": half, "fp16_max": half_max, "fp16_chunked": half_big, "bf16": (x * 1e-30).bfloat16(), "zeros": torch.zeros(7, 9),
+            "chunked": big, "fp16": half, "fp16_max": half_max, "fp16_chunked": half_big,
+            "bf16": (x * 1e-30).bfloat16(), "zeros": torch.zeros(7, 9),
             "fp64": x.double() * 1e-310, "strided": x.transpose(0, 2), "e4m3": (x * 1e-3).to(torch.float8_e4m3fn)}
 
 
