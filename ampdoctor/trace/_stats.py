@@ -225,9 +225,9 @@ def full_stats(t: torch.Tensor, bounded: str | None = None, scratch: Scratch | N
     if not req.at_limit:
         bounded = None
     if dev.type in HOST_DEVICES and not (flush and x.dtype == torch.float64):
-        # float16 through a float32 copy (``finfo`` stays float16's): torch's CPU float16 abs/aminmax/norm kernels
-        # cost ~3x the float32 ones plus the copy (bfloat16's do not), and every value is exact in float32, so each
-        # field is the same number (the norm was already accumulated in float32); issue 18, ``perf750`` bench notes
+        # float16 through a float32 copy (``finfo`` stays float16's): the float32-accumulated norm of a float16
+        # tensor and the counts' compares cost more than the copy plus float32's (10-26 % of a float16 row; bench/
+        # results/diagnose_split.md), and every value is exact in float32, so each field is the same number
         xh = torch.Tensor.copy_(sc.floats(x, _F16_SLOT, torch.float32), x) if x.dtype == torch.float16 else x
         values = _host_row(xh, finfo, bounded, sc, flush, req)
         if values is not None:
