@@ -18,7 +18,8 @@ produced in an *earlier step* (a buffer or attribute written then, not recompute
 cast clips, the values grew past what the older amax allowed; the evidence adds the step the scale was computed in,
 the amax it was computed from (the reduction feeding it, when traced), the largest |x| the stale scale represents
 (``fmax / scale``) and the margin that would have fit.
-ampdoctor's own fp8 emulation (precision ``"fp8*"``) is reported from its per-layer statistics instead.
+ampdoctor's own fp8 emulation (precision ``"fp8*"``) is reported from its per-layer statistics instead
+(``_fp8_emulated``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from ampdoctor.findings._common import CASTS, base_evidence, dtype_name, finite,
 from ampdoctor.findings._context import Context
 from ampdoctor.findings._registry import Candidate
 from ampdoctor.findings._types import Finding, FixProposal
-from ampdoctor.trace import FP8_DTYPES, DTypeInfo, Kind, OpRecord, Role, dtype_info, op_info, ops_with
+from ampdoctor.trace import FP8_DTYPES, Kind, OpRecord, Role, dtype_info, op_info, ops_with
 
 FP8 = frozenset(dtype_name(d) for d in FP8_DTYPES)
 #: a cast that flushes more than this fraction of its nonzero input values is an underflow
@@ -328,154 +329,3 @@ def without_fp8_casts(ctx: Context, origins: list[Any]) -> list[Any]:
 __all__ = ["FP8", "DelayedScale", "Fp8Cast", "cast_evidence", "clip_candidates", "flush_candidates", "fp8_casts",
            "handled", "overflow_threshold", "without_fp8_casts"]
 
-
-# --- ampdoctor's own fp8 emulation (precision "fp8*"): per layer and tensor role ------------------------------------
-
-#: a layer role flushing more than this fraction of its nonzero values to 0 is a warning (above 1%: info)
-EMULATED_FLUSH_WARNING = 0.1
-_PHASE_OF_ROLE = {"input": "forward", "weight": "forward", "grad_output": "backward"}
-
-
-def _format(name: str) -> DTypeInfo:
-    info = dtype_info(name)
-    assert info is not None, name  # the emulation's formats, "e4m3" / "e5m2", are in the dtype table
-    return info
-
-
-def _clip(t: Any) -> float:
-    """How much a saturated tensor's largest value loses: ``1 - (fmax / scale) / amax`` (0 when nothing clips)."""
-    fmax = _format(t.format).max
-    return max(0.0, 1.0 - fmax / (t.scale * t.amax)) if t.scale > 0 and t.amax > 0 else 0.0
-
-
-def _bulk(t: Any) -> dict[str, Any]:
-    """Where the median |x| of a tensor lands after the per-tensor scale an outlier set (numbers for the evidence)."""
-    info = _format(t.format)
-    scaled = t.median_abs * t.scale
-    out: dict[str, Any] = {"median_abs": t.median_abs, "amax_over_median": t.amax / t.median_abs if t.median_abs
-                           else math.inf, "median_scaled": scaled,
-                           "flush_below": info.flush_threshold / t.scale if t.scale else math.inf,
-                           "subnormal_below": info.smallest_normal / t.scale if t.scale else math.inf}
-    bits = round(-math.log2(2 * info.unit_roundoff)) + 1  # significant bits of a normal value (e4m3 4, e5m2 3)
-    out["median_bits"] = (bits if scaled >= info.smallest_normal else
-                          max(0, math.floor(math.log2(scaled / info.smallest_subnormal)) + 1)
-                          if scaled >= info.flush_threshold else 0)
-    out["format_bits"] = bits
-    return out
-
-
-def _saturation_part(ts: list[Any]) -> tuple[str | None, dict[str, Any], bool, int]:
-    """The saturation sentence, its evidence, whether it is harmful, and the first step that clips.
-
-    Harmful when clipping adds more squared error than rounding makes in the same tensors: delayed scaling's usual
-    small amax growth between steps clips a few values by a few percent, less than the rounding of all the others."""
-    sat = [t for t in ts if t.saturated]
-    if not sat:
-        return None, {}, False, 0
-    first = min(sat, key=lambda t: (t.step, t.call))
-    worst = max(sat, key=_clip)
-    clip_sq = sum(t.clip_error_sq for t in ts)
-    round_sq = sum(t.error_sq for t in ts) - clip_sq
-    share = clip_sq / (clip_sq + round_sq) if clip_sq + round_sq > 0 else 0.0
-    ev = {"first_saturated": {"step": first.step, "amax": first.amax, "amax_history": first.amax_history,
-                              "scale": first.scale, "saturated": first.saturated},
-          "clip_relative": _clip(worst), "clip_error_share": share}
-    text = (f"{sum(t.saturated for t in ts)} value(s) saturate at the {worst.format} max, first at step {first.step}"
-            + (" (delayed scaling: the scale was computed from an older amax, an amax history below the current "
-               f"amax: {fmt(first.amax_history)} < {fmt(first.amax)})" if first.amax_history < first.amax else ""))
-    harmful = clip_sq > round_sq
-    text += (f"; the largest is clipped by {_clip(worst):.1%} and clipping makes {share:.0%} of the layer's fp8 "
-             "error" + ("" if harmful else " (less than rounding does: harmless)"))
-    return text, ev, harmful, first.step
-
-
-def _flush_part(ts: list[Any]) -> tuple[str | None, dict[str, Any], bool]:
-    """The underflow sentence: what fraction flushes, and where the bulk (median) lands when an outlier set amax."""
-    und, nz = sum(t.underflowed for t in ts), sum(t.nonzero for t in ts)
-    if not nz or und / nz <= 0.01:
-        return None, {}, False
-    t = max(ts, key=lambda x: x.underflow_fraction)
-    bulk = _bulk(t)
-    text = f"{und / nz:.0%} of the nonzero values underflow to 0 in {t.format}"
-    if bulk["median_bits"] < bulk["format_bits"]:
-        text += (f": amax {fmt(t.amax)} is {fmt(bulk['amax_over_median'])}x the median |x| "
-                 f"{fmt(t.median_abs)}, so the per-tensor scale {fmt(t.scale)} puts the median at "
-                 f"{fmt(bulk['median_scaled'])}, in {t.format}'s subnormal range ({bulk['median_bits']} "
-                 f"significant bit(s) of {bulk['format_bits']}); every |x| below {fmt(bulk['flush_below'])} becomes 0 "
-                 f"(an outlier sets the scale of the whole tensor)")
-    harmful = und / nz > EMULATED_FLUSH_WARNING or bulk["median_bits"] < bulk["format_bits"]
-    return text, bulk, harmful
-
-
-def emulated_candidates(ctx: Context, order: Any) -> list[Candidate]:
-    """Per-layer fp8 saturation / underflow / zero-amax from the emulated fp8 run (precision ``"fp8*"``).
-
-    Saturation is harmful when it clips the largest value by more than the format's rounding error (delayed
-    scaling's small amax growth between steps clips by less: ``info``); underflow when more than 10% of the nonzero
-    values flush, or when an outlier's amax puts the median |x| into the subnormal range. ``order``: the registry
-    slot the candidates rank in."""
-    stats = ctx.target.fp8
-    if stats is None:
-        return []
-    out: list[Candidate] = []
-    for module, tensors in sorted(stats.by_module().items()):
-        for role in ("input", "weight", "grad_output"):
-            ts = [t for t in tensors if t.role == role]
-            if ts:
-                out.extend(_emulated_role(module, role, ts, stats.recipe, order))
-    return out
-
-
-def _recipe_fixes(recipe: Any, ts: list[Any]) -> tuple[FixProposal, ...]:
-    """A delayed recipe's own remedies, as ``fp8_recipe`` fixes of the whole recipe (its fields, one changed): the
-    margin that covers the largest saturated amax's jump over its scale (``ts``: saturated tensors; none for a
-    flush), and current (dynamic) scaling. A dynamic recipe cannot clip; it gets neither."""
-    if recipe.scaling != "delayed":
-        return ()
-    fields = {"format": recipe.format, "scaling": recipe.scaling, "amax_history_len": recipe.amax_history_len,
-              "margin": recipe.margin, "amax_floor": recipe.amax_floor}
-    over = max((t.scale * t.amax / _format(t.format).max for t in ts if t.saturated and t.scale > 0), default=0.0)
-    out: tuple[FixProposal, ...] = ()
-    if over > 1 and math.isfinite(over):
-        margin = recipe.margin + max(1, math.ceil(math.log2(over)))
-        out += (FixProposal(f"a margin of {margin} bit(s) in the fp8 recipe: the amax grew {over:.3g}x beyond what "
-                            "the delayed scale maps to the format max (all layers get the headroom)",
-                            f"Fp8Recipe(..., margin={margin})  # TE: DelayedScaling(margin={margin})",
-                            id="fp8_recipe", params={**fields, "margin": margin}),)
-    return out + (FixProposal("current (dynamic) scaling in the fp8 recipe: each tensor scaled by its own amax",
-                              "Fp8Recipe(scaling='dynamic')  # TE: Float8CurrentScaling()", id="fp8_recipe",
-                              params={**fields, "scaling": "dynamic"}),)
-
-
-def _emulated_role(module: str, role: str, ts: list[Any], recipe: Any, order: Any) -> list[Candidate]:
-    worst = max(ts, key=lambda t: t.amax)
-    zero_amax = sum(1 for t in ts if t.amax == 0)
-    ev: dict[str, Any] = {"role": role, "format": worst.format, "saturated": sum(t.saturated for t in ts),
-                          "underflowed": sum(t.underflowed for t in ts), "nonzero": sum(t.nonzero for t in ts),
-                          "numel": sum(t.numel for t in ts), "amax": worst.amax, "scale": worst.scale,
-                          "amax_history": worst.amax_history, "zero_amax_tensors": zero_amax,
-                          "amax_floor": recipe.amax_floor, "scaling": recipe.scaling}
-    sat_text, sat_ev, sat_bad, first_step = _saturation_part(ts)
-    flush_text, flush_ev, flush_bad = _flush_part(ts)
-    ev.update(sat_ev)
-    ev.update(flush_ev)
-    parts = [p for p in (sat_text, flush_text) if p]
-    if zero_amax:
-        parts.append(f"{zero_amax} tensor(s) have amax 0; the scale was floored at {recipe.amax_floor:g} instead of "
-                     "becoming inf/NaN")
-    if not parts:
-        return []
-    severity = "warning" if sat_bad or flush_bad else "info"
-    expl = f"fp8 {role} of {module} ({worst.format}, {recipe.scaling} scaling): " + "; ".join(parts) + "."
-    fixes: tuple[FixProposal, ...] = ()
-    if severity != "info":  # harmless saturation or a few flushed values need no fix
-        fixes = (FixProposal(f"keep {module} out of fp8 (TE: fp8_autocast(enabled=False) around it)", "",
-                             id="keep_fp32", params={"modules": [module]}),
-                 *_recipe_fixes(recipe, ts if sat_bad else []))
-    if flush_bad and flush_ev.get("median_bits", 99) < flush_ev.get("format_bits", 0):
-        fixes += (FixProposal("scale per channel / per block instead of per tensor, or smooth the outlier "
-                              "channel into the weights (SmoothQuant)", ""),)
-    title = f"fp8 {role} of {module}: " + (flush_text.split(":")[0] if flush_bad and flush_text and not sat_bad
-                                            else parts[0].split(";")[0])
-    return [Candidate(Finding("fp8-scale", severity, module, "aten.linear.default", _PHASE_OF_ROLE[role], title,
-                              expl, ev, fixes, first_step), order)]

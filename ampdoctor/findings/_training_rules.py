@@ -10,7 +10,8 @@ import torch
 from ampdoctor.findings._common import HALF, base_evidence, bf16_fix, dtype_name, fmt, limits, op_base, where
 from ampdoctor.findings._context import Context
 from ampdoctor.findings._core_rules import scale_explains
-from ampdoctor.findings._fp8_casts import clip_candidates, emulated_candidates
+from ampdoctor.findings._fp8_casts import clip_candidates
+from ampdoctor.findings._fp8_emulated import emulated_candidates
 from ampdoctor.findings._registry import RUN_END, RUN_FP8_SCALES, SETUP_CRASH, Candidate, Order, rule
 from ampdoctor.findings._types import Finding, FixProposal
 from ampdoctor.findings._updates import lost_updates, scaled_updates
@@ -301,7 +302,10 @@ def fp8_scale(ctx: Context) -> list[Candidate]:
     between steps) is ``info``. An outlier that sets a layer's per-tensor amax (``amax_over_median``) pushes the
     bulk into the subnormal range: a warning when more than 10% of the nonzero values flush or the median keeps fewer
     significant bits than the format (``median_abs``, ``median_scaled``, ``median_bits``, ``flush_below``); the
-    verified fix keeps that layer out of fp8 (``keep_fp32``)."""
+    verified fix keeps that layer out of fp8 (``keep_fp32``). One emulated finding per layer and pass: the roles that
+    lose precision in it (``input`` and ``weight`` forward, ``grad_output`` backward) are listed in ``roles_losing``
+    and the title, each with its own numbers in ``roles[role]`` (``saturated``, ``numel``, ``flushed_fraction``,
+    ``amax``, ``scale``, ``first_saturated``, ``severity``); the top-level evidence is the first worst role's."""
     out: list[Candidate] = emulated_candidates(ctx, RUN_FP8_SCALES)  # ampdoctor's emulated fp8 layers
     out += clip_candidates(ctx, "fp8-scale")  # the user's own fp8 casts
     recs = ctx.records
