@@ -25,6 +25,10 @@ EMULATED_FLUSH_WARNING = 0.1
 #: the tensor roles each pass quantises, in the order a finding lists them
 PASS_ROLES: dict[str, tuple[str, ...]] = {"forward": ("input", "weight"), "backward": ("grad_output",)}
 _SEVERITY = {"warning": 0, "info": 1}
+#: the numbers ``evidence["roles"][role]`` keeps of each role (those it has)
+ROLE_KEYS: tuple[str, ...] = ("severity", "format", "saturated", "numel", "underflowed", "nonzero", "flushed_fraction",
+                              "amax", "scale", "amax_history", "first_saturated", "clip_relative", "clip_error_share",
+                              "median_abs", "amax_over_median", "median_bits", "format_bits", "zero_amax_tensors")
 
 
 def _format(name: str) -> DTypeInfo:
@@ -202,7 +206,7 @@ def _pass_finding(module: str, phase: str, losses: list[RoleLoss], recipe: Any, 
     main = min(losses, key=lambda x: _SEVERITY[x.severity])  # the first role of the worst severity
     listed = [x for x in losses if x.severity == main.severity] + [x for x in losses if x.severity != main.severity]
     ev = dict(main.evidence)
-    ev["roles"] = {x.role: x.evidence for x in losses}
+    ev["roles"] = {x.role: {k: x.evidence[k] for k in ROLE_KEYS if k in x.evidence} for x in losses}
     ev["roles_losing"] = [x.role for x in listed]
     expl = " ".join(f"fp8 {x.role} of {name} ({x.evidence['format']}, {recipe.scaling} scaling): "
                     + "; ".join(x.parts) + "." for x in listed)

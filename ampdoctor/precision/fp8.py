@@ -206,9 +206,7 @@ class _Recorder:
         q = xs.clamp(-fmt.max, fmt.max).to(fmt.dtype).to(torch.float32)
         nonzero = xf != 0
         underflowed = (q == 0) & nonzero
-        # median |x| of the nonzero values (zeros as NaN: no boolean indexing, so no host sync); 0 when all zero
-        median = (torch.where(nonzero, xf.abs(), math.nan).flatten().nanmedian().nan_to_num(0.0) if xf.numel()
-                  else xf.new_zeros(()))
+        median = _median_nonzero(xf, nonzero)
         err_sq = (q - xs).square() / scale.square()
         if recipe.scaling == "delayed":
             if state.history is None:
@@ -233,6 +231,19 @@ class _Recorder:
                                       int(v[3]), int(v[4]), int(v[5]), numel, float(v[6]), float(v[7]),
                                       float(v[8])))
         return Fp8Stats(self.recipe, tuple(out))
+
+
+def _median_nonzero(xf: torch.Tensor, nonzero: torch.Tensor) -> torch.Tensor:
+    """The (lower) median |x| of the nonzero values, 0 when all are zero: the sorted |x| hold the zeros first, so the
+    median sits ``zeros + (nonzero - 1) // 2`` in. A tensor index (no boolean indexing, no host sync), and no NaN or
+    inf placeholder either: an emulated run's trace sees these ops, and a NaN made here would read as the run's
+    first NaN."""
+    if not xf.numel():
+        return xf.new_zeros(())
+    flat = xf.abs().flatten().sort().values
+    nnz = nonzero.sum()
+    idx = (flat.numel() - nnz) + torch.clamp(nnz - 1, min=0) // 2
+    return flat.gather(0, idx.clamp(max=flat.numel() - 1).reshape(1)).reshape(())
 
 
 class _Fp8Linear(torch.autograd.Function):

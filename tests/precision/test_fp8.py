@@ -274,3 +274,15 @@ def test_reentering_the_same_block_continues_the_amax_history():
     first, second = fp8.stats().select(role="input")
     assert (first.step, second.step) == (0, 1)
     assert second.amax == 2 * first.amax and second.amax_history == first.amax
+
+
+def test_the_median_of_the_nonzero_values_is_the_lower_median_without_placeholders():
+    from ampdoctor.precision.fp8 import _median_nonzero
+
+    gen = torch.Generator().manual_seed(3)
+    for n, zeros in [(1, 0), (2, 1), (5, 3), (6, 0), (100, 40), (0, 4), (0, 0)]:
+        x = torch.randn(n + zeros, generator=gen)
+        x[:zeros] = 0
+        nz = x != 0
+        want = float(x.abs()[nz].median()) if n else 0.0   # torch's median: the lower of the two middle values
+        assert float(_median_nonzero(x, nz)) == want, (n, zeros)
