@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from ampdoctor.precision import (
     NOISE_REL_ERR,
     DecodeStat,
     Generation,
+    ScenarioError,
     StepSpec,
     compare_compiled_generation,
     decoder_start,
@@ -49,7 +50,7 @@ def unwrap_compiled(model: Any) -> tuple[Any, list[str]]:
 
 def diagnose_generate(model: nn.Module, input_ids: torch.Tensor, *, precision: str = "fp16",
                       max_new_tokens: int = 16, keep_fp32: Iterable[str] = (), policy: str = "cuda",
-                      source: str = "", compiled: bool = False) -> Report:
+                      source: str = "", compiled: bool = False, fp8_recipe: Any = None) -> Report:
     """Diagnose a greedy generation of ``max_new_tokens`` tokens from ``input_ids`` (shape ``(1, L)``).
 
     >>> r = diagnose_generate(model, tok("Hello", return_tensors="pt")["input_ids"], precision="fp16")  # doctest: +SKIP
@@ -61,25 +62,32 @@ def diagnose_generate(model: nn.Module, input_ids: torch.Tensor, *, precision: s
     ``decode_step``, ``position``, ``cache``). Flipped tokens within rounding noise are ``info`` findings.
     ``keep_fp32`` names parameters kept in float32 in the target (as ``from_pretrained(dtype=float16)`` keeps
     ``_keep_in_fp32_modules``). A ``torch.compile``d model is diagnosed through its original module; with
-    ``compiled=True`` the compiled target's logits are also compared with the eager target's.
+    ``compiled=True`` the compiled target's logits are also compared with the eager target's. In an fp8 precision
+    the target decodes in ampdoctor's emulated fp8 with ``fp8_recipe`` (an :class:`~ampdoctor.precision.Fp8Recipe`
+    of the precision's format; default ``Fp8Recipe()``), one block for the whole generation so delayed scaling's
+    amax histories carry over between decode steps; the failing step's ``fp8-scale`` findings name the layer, the
+    role and its numbers in that step.
     Runs on copies; the caller's model and RNG state are untouched. Host syncs: one per generation, plus the
     traced step's read-back. Raises :class:`ampdoctor.precision.ScenarioError` for unusable input.
     """
     t0 = time.perf_counter()
     model, notes = unwrap_compiled(model)
-    validate_generation(model, input_ids, precision, max_new_tokens)
+    validate_generation(model, input_ids, precision, max_new_tokens, fp8_recipe)
+    if compiled and precision.startswith("fp8"):
+        raise ScenarioError("compiled=True compares torch.compile's fp16/bf16 kernels with eager; it has no meaning "
+                            "for the emulated fp8 precision: drop compiled or pass precision='fp16'/'bf16'")
     keep = list(keep_fp32)
     transforms = (keep_fp32_transform(model, keep),) if keep else ()
     with saved_rng():
         gen = generate(model, input_ids, precision=precision, max_new_tokens=max_new_tokens, policy=policy,
-                       transforms=transforms)
+                       transforms=transforms, fp8_recipe=fp8_recipe)
     first = next((s for s in gen.stats if s.failed), None)
     findings: list[Finding] = []
     layers: list[LayerStat] = []
     step_summary: dict[str, Any] = {}
     if first is not None:
         findings, layers, step_summary = _failing_step(model, input_ids, precision, max_new_tokens, policy,
-                                                       transforms, source, first)
+                                                       transforms, source, first, fp8_recipe)
     noise = [s for s in gen.stats if s.within_noise and (first is None or s.step <= first.step)]
     if noise:
         findings.append(_noise_finding(noise))
@@ -89,6 +97,8 @@ def diagnose_generate(model: nn.Module, input_ids: torch.Tensor, *, precision: s
         "generation": _generation_summary(gen, max_new_tokens, first, noise), "notes": notes,
     }
     summary.update(step_summary)
+    if gen.fp8_recipe is not None:
+        summary["fp8_recipe"] = asdict(gen.fp8_recipe)
     if compiled:
         summary["compiled"] = compare_compiled_generation(model, input_ids, precision, policy, gen.ref_tokens,
                                                           transforms)
@@ -98,15 +108,17 @@ def diagnose_generate(model: nn.Module, input_ids: torch.Tensor, *, precision: s
 
 
 def _failing_step(model: nn.Module, input_ids: torch.Tensor, precision: str, max_new_tokens: int, policy: str,
-                  transforms: tuple[Any, ...], source: str,
-                  first: DecodeStat) -> tuple[list[Finding], list[LayerStat], dict[str, Any]]:
+                  transforms: tuple[Any, ...], source: str, first: DecodeStat,
+                  fp8_recipe: Any = None) -> tuple[list[Finding], list[LayerStat], dict[str, Any]]:
     """The first failing decode step re-run under the full op trace (a failing prefill also profiled per position):
     its findings, per-layer table and summary entries."""
     with saved_rng():
         again = generate(model, input_ids, precision=precision, max_new_tokens=max_new_tokens, policy=policy,
-                         transforms=transforms, trace_step=first.step)
+                         transforms=transforms, trace_step=first.step, fp8_recipe=fp8_recipe)
     curves: dict[str, list[float]] = {}
-    if first.step == 0:  # the prefill spans the whole prompt: find the position within it per module
+    # the prefill spans the whole prompt: find the position within it per module (an emulated-fp8 layer names its
+    # own step instead, and the profile has no fp8 target)
+    if first.step == 0 and not precision.startswith("fp8"):
         batch: dict[str, Any] = {"input_ids": input_ids}
         if getattr(getattr(model, "config", None), "is_encoder_decoder", False):  # positions of the encoder
             batch["decoder_input_ids"] = torch.full((1, 1), decoder_start(model), dtype=input_ids.dtype)
@@ -145,6 +157,9 @@ def _step_findings(model: nn.Module, precision: str, source: str, first: DecodeS
     out: list[Finding] = []
     for f in op_findings:
         cache = _cache_role(ctx, f, again.cache_records)
+        if "roles" in f.evidence:  # an emulated-fp8 layer: judged over every decode step so far, at its own step
+            out.append(_fp8_layer_finding(f, first, where, cache))
+            continue
         pos = first_position(curves.get(f.module, []))
         pos = first.position if pos is None else pos
         ev = {**f.evidence, **where, "position": pos, "cache": cache}
@@ -161,6 +176,15 @@ def _step_findings(model: nn.Module, precision: str, source: str, first: DecodeS
     if nf is not None:
         summary["first_nonfinite"] = dict(ctx.describe(nf), decode_step=first.step, position=first.position)
     return out, layer_table(ctx), summary
+
+
+def _fp8_layer_finding(f: Finding, first: DecodeStat, where: dict[str, Any], cache: str) -> Finding:
+    """An emulated-fp8 layer's finding at the decode step it first lost precision (its ``step``), which may be
+    before the step whose token flips (a clipped k/v projection writes a wrong cache entry)."""
+    step = f.step if f.step is not None else first.step
+    pos = first.position - first.step + step
+    ev = {**f.evidence, **where, "decode_step": step, "position": pos, "cache": cache}
+    return replace(f, evidence=Evidence.of(ev), title=f"decode step {step} (position {pos}): {f.title}")
 
 
 def _cache_role(ctx: Any, f: Finding, cache_records: set[int]) -> str:

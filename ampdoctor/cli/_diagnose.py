@@ -40,19 +40,28 @@ from ampdoctor.precision import MAX_STEPS
                    "curve goes into the JSON summary")
 @click.option("--compiled", is_flag=True, default=False,
               help="with --hf: also compare torch.compile's target outputs with the eager target's")
+@click.option("--fp8-recipe", "fp8_recipe", default=None, metavar="RECIPE",
+              help="the fp8 recipe of an fp8 precision: comma-separated field=value (scaling=delayed|dynamic, "
+                   "amax_history_len=N, margin=M, amax_floor=F) or a bare 'delayed'/'dynamic'; the format follows "
+                   "--precision (default: hybrid, delayed, history 1024, margin 0, floor 1e-12)")
 def diagnose(file: str | None, precision: str | None, steps: int | None, policy: str, json_out: str | None,
              html_out: str | None, hf: str | None, text: str | None, input_ids: str | None, task: str,
-             max_new_tokens: int | None, seq_len: int | None, compiled: bool) -> None:
+             max_new_tokens: int | None, seq_len: int | None, compiled: bool, fp8_recipe: str | None) -> None:
     """Diagnose the scenario FILE (a .py file defining make(), or a built-in scenario name), or a checkpoint's
     inference with --hf DIR."""
     check_outputs(json_out, html_out)
+    recipe = _fp8_recipe(fp8_recipe, precision) if fp8_recipe is not None else None
     if hf is not None or file is None:
         if (file is None) == (hf is None):
             fail("give either a scenario FILE or --hf DIR (a Hugging Face model directory)")
         if steps is not None:
             fail("--steps applies to scenario files; with --hf use --max-new-tokens N for a generation")
+        if recipe is not None and precision is None:
+            fail("--fp8-recipe with --hf needs an fp8 precision (--hf runs fp16 by default): pass --precision fp8, "
+                 "fp8-e4m3 or fp8-e5m2")
         _diagnose_hf(str(hf), precision or "fp16", policy, json_out, html_out, text=text, input_ids=input_ids,
-                     task=task, max_new_tokens=max_new_tokens, seq_len=seq_len, compiled=compiled)
+                     task=task, max_new_tokens=max_new_tokens, seq_len=seq_len, compiled=compiled,
+                     **({"fp8_recipe": recipe} if recipe is not None else {}))
         return
     given = [n for n, v in (("--text", text), ("--input-ids", input_ids), ("--max-new-tokens", max_new_tokens),
                             ("--seq-len", seq_len)) if v is not None] + (["--compiled"] if compiled else [])
@@ -64,10 +73,32 @@ def diagnose(file: str | None, precision: str | None, steps: int | None, policy:
         overrides["precision"] = None if precision == "as-given" else precision
     if steps is not None:
         overrides["steps"] = steps
+    if recipe is not None:
+        overrides["fp8_recipe"] = recipe
     with user_code(), PhaseProgress() as progress:
         report = ampdoctor.diagnose_file(file, progress=progress, **overrides)
     emit(report, json_out, html_out)
     sys.exit(0 if report.ok else 1)
+
+
+def _fp8_recipe(text: str, precision: str | None) -> Any:
+    """``--fp8-recipe`` as an :class:`~ampdoctor.precision.Fp8Recipe` in ``--precision``'s format (the scenario's
+    own precision when none is given: the recipe's format must then match it); a clear error otherwise."""
+    from ampdoctor.precision import FP8_FORMATS, Fp8Recipe
+
+    if precision is not None and precision not in FP8_FORMATS:
+        fail(f"--fp8-recipe applies to an fp8 run, but --precision is {precision}: pass --precision "
+             f"{' / '.join(FP8_FORMATS)} with it, or drop --fp8-recipe")
+    fmt = FP8_FORMATS.get(precision or "")
+    try:
+        recipe = Fp8Recipe.parse(text, format=fmt)
+    except ValueError as e:
+        fail(f"--fp8-recipe {text!r}: {e}")
+    if fmt is not None and recipe.format != fmt:
+        right = next(p for p, f in FP8_FORMATS.items() if f == recipe.format)
+        fail(f"--fp8-recipe format={recipe.format} does not match --precision {precision} (which runs {fmt}): drop "
+             f"format= (the precision decides it) or pass --precision {right}")
+    return recipe
 
 
 def _diagnose_hf(path: str, precision: str, policy: str, json_out: str | None, html_out: str | None,

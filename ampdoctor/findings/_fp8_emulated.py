@@ -229,13 +229,13 @@ def emulated_candidates(ctx: Any, order: Any) -> list[Candidate]:
     if stats is None:
         return []
     out: list[Candidate] = []
-    for module, tensors in sorted(stats.by_module().items()):
+    for module, tensors in stats.by_module().items():  # modules in order of first use
         for phase, roles in PASS_ROLES.items():
             losses = [loss for role in roles if (ts := [t for t in tensors if t.role == role])
                       and (loss := role_loss(role, ts, stats.recipe)) is not None]
             if losses:
                 out.append(_pass_finding(module, phase, losses, stats.recipe, order))
-    return out
+    return sorted(out, key=lambda c: c.finding.step)  # the earliest step first (stable: then the model's order)
 
 
 __all__ = ["EMULATED_FLUSH_WARNING", "PASS_ROLES", "RoleLoss", "emulated_candidates", "role_loss"]

@@ -240,21 +240,21 @@ def load_for_inference(path: str, *, task: str = "auto", text: str | None = None
 
 def diagnose_checkpoint(ckpt: InferenceCheckpoint, *, precision: str = "fp16", policy: str = "cuda",
                         source: str = "", progress: Any = None, positions: bool = False,
-                        compiled: bool = False) -> Any:
+                        compiled: bool = False, fp8_recipe: Any = None) -> Any:
     """Diagnose one inference forward of a loaded checkpoint in ``precision`` (a :class:`~ampdoctor.Report`).
 
     A pure ``fp16``/``bf16`` target holds what ``from_pretrained(dtype=...)`` would load: the checkpoint's
     keep-in-fp32 parameters stay float32 (their original values). ``*-amp`` targets keep every weight in float32
     (autocast's semantics). The report's summary carries ``checkpoint`` (task, tokenizer, what ``.half()`` and
     autocast would do instead); with ``positions``, ``positions`` (the per-position headroom curve); with
-    ``compiled``, ``compiled`` (compiled vs eager target outputs).
+    ``compiled``, ``compiled`` (compiled vs eager target outputs). ``fp8_recipe``: an fp8 precision's recipe.
     """
     from dataclasses import replace
 
     from ampdoctor.diagnose import diagnose_spec
     from ampdoctor.precision import keep_fp32_transform, make_spec
 
-    spec = make_spec(ckpt.model, ckpt.batch, precision=precision, source=source)
+    spec = make_spec(ckpt.model, ckpt.batch, precision=precision, source=source, fp8_recipe=fp8_recipe)
     kept = ckpt.keep_fp32.get(precision, ()) if precision in ("fp16", "bf16") else ()
     transforms = (keep_fp32_transform(ckpt.model, kept),) if kept else ()
     spec = replace(spec, transforms=transforms)
@@ -290,7 +290,8 @@ def checkpoint_summary(ckpt: InferenceCheckpoint, kept: tuple[str, ...] | list[s
 
 def diagnose_hf(path: str, *, precision: str = "fp16", policy: str = "cuda", task: str = "auto",
                 text: str | None = None, input_ids: str | None = None, max_new_tokens: int | None = None,
-                seq_len: int | None = None, compiled: bool = False, progress: Any = None) -> Any:
+                seq_len: int | None = None, compiled: bool = False, progress: Any = None,
+                fp8_recipe: Any = None) -> Any:
     """``ampdoctor diagnose --hf DIR``: load ``path`` offline and diagnose a forward (or a generation)."""
     ckpt = load_for_inference(path, task=task, text=text, input_ids=input_ids, seq_len=seq_len)
     if max_new_tokens is not None:
@@ -302,7 +303,8 @@ def diagnose_hf(path: str, *, precision: str = "fp16", policy: str = "cuda", tas
 
         kept = ckpt.keep_fp32.get(precision, ()) if precision in ("fp16", "bf16") else ()
         report = diagnose_generate(ckpt.model, ckpt.input_ids, precision=precision, max_new_tokens=max_new_tokens,
-                                   keep_fp32=kept, policy=policy, source=path, compiled=compiled)
+                                   keep_fp32=kept, policy=policy, source=path, compiled=compiled,
+                                   fp8_recipe=fp8_recipe)
         return _with_checkpoint(report, ckpt, kept)
     return diagnose_checkpoint(ckpt, precision=precision, policy=policy, source=path, progress=progress,
-                               positions=seq_len is not None, compiled=compiled)
+                               positions=seq_len is not None, compiled=compiled, fp8_recipe=fp8_recipe)

@@ -23,9 +23,17 @@ import torch
 from torch import nn
 
 from ampdoctor.errors import DiagnosisError
-from ampdoctor.precision._contexts import LOW_DTYPES, _gemm_context, _NoAutocast, _precision_context, device_of
+from ampdoctor.precision._contexts import (
+    LOW_DTYPES,
+    _fp8_context,
+    _gemm_context,
+    _NoAutocast,
+    _precision_context,
+    device_of,
+)
 from ampdoctor.precision._runner import RunResult
-from ampdoctor.precision._spec import ScenarioError
+from ampdoctor.precision._spec import FP8_FORMATS, ScenarioError, _check_fp8_recipe
+from ampdoctor.precision.fp8 import Fp8Stats
 from ampdoctor.trace import Trace, TraceResult, iter_tensors
 
 log = logging.getLogger(__name__)
@@ -34,8 +42,10 @@ log = logging.getLogger(__name__)
 NOISE_MARGIN_RMS = 4.0
 #: ... and the step's logits stay within this relative RMS error of the reference (beyond it: precision loss)
 NOISE_REL_ERR = 0.1
-#: precisions a generation can be diagnosed in (fp8 emulation keeps per-step scales a decode loop does not model)
-GENERATION_PRECISIONS: tuple[str, ...] = ("fp16", "bf16", "fp16-amp", "bf16-amp")
+#: precisions a generation can be diagnosed in; in an fp8 one the target decodes inside one emulated fp8 block
+#: (:mod:`ampdoctor.precision.fp8`) re-entered every step, so delayed scaling's amax histories carry over from one
+#: decode step to the next, as in a serving loop
+GENERATION_PRECISIONS: tuple[str, ...] = ("fp16", "bf16", "fp16-amp", "bf16-amp", "fp8", "fp8-e4m3", "fp8-e5m2")
 _FIELDS = ("ref_token", "target_token", "ref_margin", "target_gap", "logit_err", "logit_rms", "finite",
            "cache_finite")
 
@@ -88,6 +98,8 @@ class Generation:
     ref_tokens: list[int]
     traced: tuple[RunResult, RunResult] | None = None  # (target, reference) of ``trace_step``
     cache_records: set[int] = field(default_factory=set)  # target records that produced cache tensors
+    #: an fp8 target's recipe (``None`` otherwise)
+    fp8_recipe: Any = None
 
 
 def cache_tensors(cache: Any) -> list[torch.Tensor]:
@@ -113,7 +125,7 @@ class _Side:
     """One run: a model copy in a precision, its cache, and the calls that advance it by one step."""
 
     def __init__(self, model: nn.Module, precision: str | None, policy: str, reference: bool,
-                 transforms: tuple[Any, ...]) -> None:
+                 transforms: tuple[Any, ...], fp8_recipe: Any = None) -> None:
         self.model = copy.deepcopy(model)
         self.reference = reference
         self.precision = None if reference else precision
@@ -135,6 +147,22 @@ class _Side:
         self.seq2seq = bool(getattr(getattr(self.model, "config", None), "is_encoder_decoder", False))
         self.encoder_ids: torch.Tensor | None = None
         self.amp = contextlib.nullcontext() if reference else _precision_context(precision, self.device, policy)
+        #: an fp8 target's emulated block, re-entered every step (its amax histories continue)
+        self.fp8 = None if reference or precision not in FP8_FORMATS else _fp8_context(precision, self.model,
+                                                                                        fp8_recipe)
+
+    def fp8_context(self) -> Any:
+        return contextlib.nullcontext() if self.fp8 is None else self.fp8
+
+    def fp8_since(self, start: int) -> Fp8Stats | None:
+        """The fp8 statistics recorded from the ``start``-th quantisation on (one host sync); ``None`` without fp8."""
+        if self.fp8 is None:
+            return None
+        stats = self.fp8.stats()
+        return Fp8Stats(stats.recipe, stats.tensors[start:])
+
+    def fp8_count(self) -> int:
+        return 0 if self.fp8 is None else self.fp8.recorded()
 
     def gemm(self) -> Any:
         """CUDA's GEMM numerics off-GPU for the target (entered below a trace, as the step runner does)."""
@@ -153,7 +181,8 @@ class _Side:
         no_autocast = _NoAutocast(self.device.type) if self.reference else contextlib.nullcontext()
         if self.seq2seq:
             kw["decoder_input_ids"], ids = ids, self.encoder_ids  # type: ignore[assignment]
-        with self.gemm() if gemm else contextlib.nullcontext(), torch.no_grad(), no_autocast, self.amp:
+        with self.gemm() if gemm else contextlib.nullcontext(), torch.no_grad(), no_autocast, self.amp, \
+                self.fp8_context():
             out = self.model(input_ids=ids, **kw)
         if self.cache_kw is not None:
             self.cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
@@ -191,16 +220,15 @@ def _cache_ok(side: _Side) -> torch.Tensor:
     return torch.stack([torch.isfinite(t).all() for t in ts]).all()
 
 
-def validate_generation(model: Any, input_ids: Any, precision: str | None, max_new_tokens: Any) -> None:
+def validate_generation(model: Any, input_ids: Any, precision: str | None, max_new_tokens: Any,
+                        fp8_recipe: Any = None) -> None:
     """Raise :class:`ScenarioError` (what to pass) before anything runs."""
     if not isinstance(model, nn.Module):
         raise ScenarioError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if precision not in GENERATION_PRECISIONS:
         allowed = ", ".join(repr(p) for p in GENERATION_PRECISIONS)
-        hint = ("; fp8 generation is not emulated (the fp8 scales would carry over from one decode step to the "
-                "next), diagnose one forward of the prompt instead: ampdoctor.diagnose(model, {'input_ids': ids}, "
-                f"precision={precision!r})" if isinstance(precision, str) and precision.startswith("fp8") else "")
-        raise ScenarioError(f"invalid precision {precision!r} for a generation, expected one of {allowed}{hint}")
+        raise ScenarioError(f"invalid precision {precision!r} for a generation, expected one of {allowed}")
+    _check_fp8_recipe(fp8_recipe, precision)
     if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point() or input_ids.dim() != 2:
         raise ScenarioError("input_ids must be an integer tensor of shape (1, prompt_len), e.g. "
                             "tokenizer(text, return_tensors='pt')['input_ids']")
@@ -212,16 +240,20 @@ def validate_generation(model: Any, input_ids: Any, precision: str | None, max_n
 
 
 def generate(model: nn.Module, input_ids: torch.Tensor, *, precision: str, max_new_tokens: int,
-             policy: str = "cuda", transforms: tuple[Any, ...] = (), trace_step: int | None = None) -> Generation:
+             policy: str = "cuda", transforms: tuple[Any, ...] = (), trace_step: int | None = None,
+             fp8_recipe: Any = None) -> Generation:
     """Greedy, teacher-forced generation of ``max_new_tokens`` steps in ``precision`` next to fp32.
 
     Runs on deep copies (the caller's model is untouched); EOS does not stop it. With ``trace_step``, that step
-    runs under the full op trace in both runs and the generation stops after it. Host syncs: one, at the end
-    (and the trace's read-back of the traced step).
+    runs under the full op trace in both runs and the generation stops after it (an fp8 target's traced run
+    carries the fp8 statistics of every decode step up to it: their ``step`` is the decode step, since each
+    layer quantises once per forward; a clip at an earlier step corrupts the KV cache before a token flips).
+    ``fp8_recipe``: an fp8 target's :class:`Fp8Recipe` (default ``Fp8Recipe()`` in the precision's format).
+    Host syncs: one, at the end (and the trace's read-back of the traced step).
     """
-    validate_generation(model, input_ids, precision, max_new_tokens)
+    validate_generation(model, input_ids, precision, max_new_tokens, fp8_recipe)
     ref = _Side(model, precision, policy, True, transforms)
-    tgt = _Side(model, precision, policy, False, transforms)
+    tgt = _Side(model, precision, policy, False, transforms, fp8_recipe)
     device = ref.device
     ids = input_ids.to(device)
     if ref.seq2seq:  # the decoder starts from its start token; positions count decoder tokens
@@ -239,6 +271,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, precision: str, max_n
             if step == trace_step:
                 r_logits, r_run, _ = _traced(ref, new, ids)
                 t_logits, t_run, cache_records = _traced(tgt, new, ids)
+                t_run.fp8 = tgt.fp8_since(0)  # every decode step so far: a scale that clipped earlier is named
                 traced = (t_run, r_run)
             else:
                 r_logits = _checked(ref, new, ids, step, precision)
@@ -259,7 +292,9 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, precision: str, max_n
         stats.append(DecodeStat(step, prompt_len - 1 + step, int(d["ref_token"]), int(d["target_token"]),
                                 float(d["ref_margin"]), float(d["target_gap"]), float(d["logit_err"]),
                                 float(d["logit_rms"]), bool(d["finite"]), bool(d["cache_finite"])))
-    return Generation(stats, prompt_len, cache_name, [int(s.ref_token) for s in stats], traced, cache_records)
+    recipe = tgt.fp8.recipe if tgt.fp8 is not None else None
+    return Generation(stats, prompt_len, cache_name, [int(s.ref_token) for s in stats], traced, cache_records,
+                      recipe)
 
 
 def decoder_start(model: nn.Module) -> int:

@@ -107,6 +107,36 @@ class Fp8Recipe:
             raise ValueError(f"amax_floor must be a finite number >= 0 (e.g. 1e-12; 0 disables the floor), "
                              f"got {self.amax_floor!r}")
 
+    @classmethod
+    def parse(cls, text: str, format: str | None = None) -> Fp8Recipe:
+        """A recipe from its command-line spelling: comma-separated ``field=value`` pairs, or a bare scaling
+        (``delayed``/``dynamic``) or format name; ``format`` (the precision's) applies when the text names none.
+
+        >>> Fp8Recipe.parse("delayed,amax_history_len=16,margin=1", format="e4m3")
+        Fp8Recipe(format='e4m3', scaling='delayed', amax_history_len=16, margin=1, amax_floor=1e-12)
+
+        Raises ``ValueError`` saying which item is wrong and what is allowed."""
+        fields: dict[str, Any] = {}
+        items = [i.strip() for i in str(text).split(",") if i.strip()]
+        if not items:
+            raise ValueError(f"empty fp8 recipe {text!r}: {_RECIPE_HELP}")
+        for item in items:
+            key, sep, value = item.partition("=")
+            key, value = key.strip(), value.strip()
+            if not sep:
+                key, value = ("scaling", key) if key in SCALINGS else ("format", key) if key in FORMATS else (key, "")
+                if not value:
+                    raise ValueError(f"fp8 recipe item {item!r} is neither field=value nor a scaling "
+                                     f"({'/'.join(SCALINGS)}) or format ({'/'.join(FORMATS)}): {_RECIPE_HELP}")
+            if key not in _RECIPE_FIELDS:
+                raise ValueError(f"unknown fp8 recipe field {key!r}; the fields are {', '.join(_RECIPE_FIELDS)}")
+            if key in fields:
+                raise ValueError(f"fp8 recipe field {key!r} is given twice in {text!r}")
+            fields[key] = _RECIPE_FIELDS[key](key, value)
+        if format is not None:
+            fields.setdefault("format", format)
+        return cls(**fields)
+
     def format_of(self, role: str) -> str:
         """The fp8 format (``"e4m3"``/``"e5m2"``) used for a tensor role."""
         if role not in ROLES:
@@ -114,6 +144,30 @@ class Fp8Recipe:
         if self.format == "hybrid":
             return "e5m2" if role == "grad_output" else "e4m3"
         return self.format
+
+
+def _int_field(key: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"fp8 recipe field {key} must be an int, got {value!r}") from None
+
+
+def _float_field(key: str, value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"fp8 recipe field {key} must be a number (e.g. 1e-12), got {value!r}") from None
+
+
+def _str_field(key: str, value: str) -> str:
+    return value
+
+
+_RECIPE_FIELDS: dict[str, Any] = {"format": _str_field, "scaling": _str_field, "amax_history_len": _int_field,
+                                  "margin": _int_field, "amax_floor": _float_field}
+_RECIPE_HELP = ("e.g. 'scaling=delayed,amax_history_len=16,margin=1' or 'dynamic' (fields: format, scaling, "
+                "amax_history_len, margin, amax_floor)")
 
 
 @dataclass(frozen=True)
@@ -397,6 +451,10 @@ class Fp8Autocast:
     def stats(self) -> Fp8Stats:
         """Every quantisation so far. Syncs with the device once (one ``.cpu()`` of all statistics)."""
         return self._recorder.stats()
+
+    def recorded(self) -> int:
+        """How many quantisations have been recorded so far (no host sync): ``stats().tensors[n:]`` are the later."""
+        return len(self._recorder.meta)
 
 
 def fp8_autocast(model: nn.Module | None = None, recipe: Fp8Recipe | None = None) -> Fp8Autocast:

@@ -151,3 +151,67 @@ def test_the_recipe_fix_refuses_a_non_fp8_run_and_bad_fields():
         build_plan("fp8_recipe", {"margin": -1}, FixContext("fp8"))
     with pytest.raises(ValueError, match="does not match precision 'fp8'"):
         build_plan("fp8_recipe", {"format": "e5m2"}, FixContext("fp8"))
+
+
+# --- the CLI: ``ampdoctor diagnose FILE --precision fp8 --fp8-recipe ...`` ----------------------------------------
+
+def _scenario(tmp_path, marker: str) -> str:
+    """A scenario in fp8 with no recipe of its own; its make() leaves ``marker`` behind (so a test can tell that a
+    bad flag stopped the command before anything ran)."""
+    path = tmp_path / "sched.py"
+    path.write_text(
+        "import pathlib, torch\n"
+        f"from {__name__} import Scheduled, GAINS\n"
+        "def make():\n"
+        f"    pathlib.Path({marker!r}).write_text('ran')\n"
+        "    m = Scheduled()\n"
+        "    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1)) * 3.0\n"
+        "    return {'model': m, 'batch': x, 'precision': 'fp8', 'steps': len(GAINS),\n"
+        "            'loss_fn': lambda out, b: out.float().mean()}\n")
+    return str(path)
+
+
+def _cli(args: list[str]):
+    from click.testing import CliRunner
+
+    from ampdoctor.cli import main
+
+    return CliRunner().invoke(main, ["diagnose", *args])
+
+
+@pytest.mark.parametrize(("flag", "steps"), [("delayed,amax_history_len=1", [2]), ("amax_history_len=2", [5]),
+                                             ("amax_history_len=16", []), ("amax_history_len=1,margin=2", []),
+                                             ("dynamic", [])])
+def test_the_cli_flag_is_the_recipe_diagnosed(tmp_path, flag, steps):
+    import json
+
+    out = tmp_path / "r.json"
+    res = _cli([_scenario(tmp_path, str(tmp_path / "ran")), "--precision", "fp8", "--fp8-recipe", flag,
+                "--json", str(out)])
+    assert res.exit_code == 0, res.output                   # fp8-scale warnings: the run is still ok
+    data = json.loads(out.read_text())
+    clipping = [f["step"] for f in data["findings"] if f["code"] == "fp8-scale" and f["module"] == "proj"
+                and f["evidence"].get("role") == "input" and f["severity"] == "warning"]
+    assert clipping == steps
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--precision", "fp8", "--fp8-recipe", "margin=two"], "margin must be an int, got 'two'"),
+    (["--precision", "fp8", "--fp8-recipe", "history=4"], "unknown fp8 recipe field 'history'"),
+    (["--precision", "fp8", "--fp8-recipe", "scaling=late"], "invalid scaling 'late'"),
+    (["--precision", "fp8", "--fp8-recipe", "amax_history_len=0"], "amax_history_len must be an int >= 1"),
+    (["--precision", "fp8", "--fp8-recipe", "late"], "neither field=value nor a scaling"),
+    (["--precision", "fp8", "--fp8-recipe", ""], "empty fp8 recipe"),
+    (["--precision", "fp8-e4m3", "--fp8-recipe", "format=e5m2"], "pass --precision fp8-e5m2"),
+    (["--precision", "fp16", "--fp8-recipe", "dynamic"], "--fp8-recipe applies to an fp8 run"),
+])
+def test_a_bad_cli_recipe_is_a_clear_error_before_anything_runs(tmp_path, args, says):
+    marker = tmp_path / "ran"
+    res = _cli([_scenario(tmp_path, str(marker)), *args])
+    assert res.exit_code == 2 and says in res.output, res.output
+    assert not marker.exists()                               # make() never ran
+
+
+def test_a_cli_recipe_without_precision_takes_the_scenarios(tmp_path):
+    res = _cli([_scenario(tmp_path, str(tmp_path / "ran")), "--fp8-recipe", "amax_history_len=1"])
+    assert res.exit_code == 0 and "fp8-scale" in res.output, res.output
