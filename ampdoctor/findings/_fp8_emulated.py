@@ -15,10 +15,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ampdoctor.findings._common import fmt
+from ampdoctor.findings._common import fmt, op_base
 from ampdoctor.findings._registry import Candidate
 from ampdoctor.findings._types import Finding, FixProposal
-from ampdoctor.trace import DTypeInfo, dtype_info
+from ampdoctor.trace import DTypeInfo, Kind, dtype_info, ops_with
 
 #: a layer role flushing more than this fraction of its nonzero values to 0 is a warning (above 1%: info)
 EMULATED_FLUSH_WARNING = 0.1
@@ -238,4 +238,42 @@ def emulated_candidates(ctx: Any, order: Any) -> list[Candidate]:
     return sorted(out, key=lambda c: c.finding.step)  # the earliest step first (stable: then the model's order)
 
 
-__all__ = ["EMULATED_FLUSH_WARNING", "PASS_ROLES", "RoleLoss", "emulated_candidates", "role_loss"]
+_GEMMS = ops_with(Kind.GEMM)
+_VIEWS = ops_with(Kind.VIEW) | ops_with(Kind.SAME_ELEMENTS)
+
+
+def _weight_param(recs: list[Any], i: int) -> Any:
+    """The parameter record that record ``i`` is (or a view of: ``t``, ``transpose``, ``view``), else ``None``."""
+    for _ in range(4):
+        if i < 0:
+            return None
+        r = recs[i]
+        if r.kind == "param":
+            return r
+        if r.kind != "op" or op_base(r.op) not in _VIEWS or not r.inputs:
+            return None
+        i = r.inputs[0]
+    return None
+
+
+def unquantised_gemms(ctx: Any) -> list[dict[str, Any]]:
+    """In an emulated fp8 run: the forward GEMMs that multiply by a weight parameter but ran outside ``F.linear``, so
+    the emulation never quantised them (transformers' ``Conv1D`` is an ``addmm``; ``nn.MultiheadAttention`` calls
+    its projections inside one torch function; convolutions) - one entry per module and op, first step only."""
+    stats = ctx.target.fp8
+    if stats is None:
+        return []
+    recs = ctx.records
+    seen: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in recs:
+        if r.kind != "op" or r.step != 0 or r.phase != "forward" or op_base(r.op) not in _GEMMS:
+            continue
+        weight = next((w for i in r.inputs if (w := _weight_param(recs, i)) is not None and len(w.shape) >= 2), None)
+        if weight is not None:
+            seen.setdefault((r.module, r.op), {"module": r.module, "op": r.op, "weight": weight.name,
+                                               "weight_shape": list(weight.shape)})
+    return list(seen.values())
+
+
+__all__ = ["EMULATED_FLUSH_WARNING", "PASS_ROLES", "RoleLoss", "emulated_candidates", "role_loss",
+           "unquantised_gemms"]

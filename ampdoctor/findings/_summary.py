@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -10,8 +11,11 @@ import torch
 
 from ampdoctor.findings._common import dtype_name, limits
 from ampdoctor.findings._context import Context, chain_summary
+from ampdoctor.findings._fp8_emulated import unquantised_gemms
 from ampdoctor.findings._payloads import LayerStat
 from ampdoctor.trace import dtype_info, is_nonfinite
+
+log = logging.getLogger(__name__)
 
 
 def summary(ctx: Context, findings: list[Any], elapsed: float) -> dict[str, Any]:
@@ -50,6 +54,12 @@ def summary(ctx: Context, findings: list[Any], elapsed: float) -> dict[str, Any]
                      "scale": x.scale, "amax_history": x.amax_history, "saturated": x.saturated,
                      "underflowed": x.underflowed, "nonzero": x.nonzero, "numel": x.numel}
                     for x in t.fp8.tensors]
+        s["fp8_unquantised"] = unquantised_gemms(ctx)  # GEMMs with a weight the emulation did not see
+        if s["fp8_unquantised"]:
+            mods = sorted({g["module"] or "<root>" for g in s["fp8_unquantised"]})
+            log.warning("the fp8 emulation quantises F.linear / nn.Linear only: %d module(s) multiply by a weight "
+                        "another way and ran in float32, undiagnosed for fp8 (summary['fp8_unquantised']): %s",
+                        len(mods), ", ".join(mods[:6]) + (", ..." if len(mods) > 6 else ""))
     if t.exc is not None:
         s["exception"] = {"type": type(t.exc).__name__, "message": str(t.exc).splitlines()[0][:300] if str(t.exc)
                           else "", "step": t.exc_step}
