@@ -50,18 +50,14 @@ def diagnose(file: str | None, precision: str | None, steps: int | None, policy:
     """Diagnose the scenario FILE (a .py file defining make(), or a built-in scenario name), or a checkpoint's
     inference with --hf DIR."""
     check_outputs(json_out, html_out)
-    recipe = _fp8_recipe(fp8_recipe, precision) if fp8_recipe is not None else None
+    recipe = _fp8_recipe(fp8_recipe, precision, hf is not None) if fp8_recipe is not None else None
     if hf is not None or file is None:
         if (file is None) == (hf is None):
             fail("give either a scenario FILE or --hf DIR (a Hugging Face model directory)")
         if steps is not None:
             fail("--steps applies to scenario files; with --hf use --max-new-tokens N for a generation")
-        if recipe is not None and precision is None:
-            fail("--fp8-recipe with --hf needs an fp8 precision (--hf runs fp16 by default): pass --precision fp8, "
-                 "fp8-e4m3 or fp8-e5m2")
         _diagnose_hf(str(hf), precision or "fp16", policy, json_out, html_out, text=text, input_ids=input_ids,
-                     task=task, max_new_tokens=max_new_tokens, seq_len=seq_len, compiled=compiled,
-                     **({"fp8_recipe": recipe} if recipe is not None else {}))
+                     task=task, max_new_tokens=max_new_tokens, seq_len=seq_len, compiled=compiled, fp8_recipe=recipe)
         return
     given = [n for n, v in (("--text", text), ("--input-ids", input_ids), ("--max-new-tokens", max_new_tokens),
                             ("--seq-len", seq_len)) if v is not None] + (["--compiled"] if compiled else [])
@@ -81,10 +77,14 @@ def diagnose(file: str | None, precision: str | None, steps: int | None, policy:
     sys.exit(0 if report.ok else 1)
 
 
-def _fp8_recipe(text: str, precision: str | None) -> Any:
+def _fp8_recipe(text: str, precision: str | None, hf: bool) -> Any:
     """``--fp8-recipe`` as an :class:`~ampdoctor.precision.Fp8Recipe` in ``--precision``'s format (the scenario's
     own precision when none is given: the recipe's format must then match it); a clear error otherwise."""
     from ampdoctor.precision import FP8_FORMATS, Fp8Recipe
+
+    if hf and precision is None:
+        fail("--fp8-recipe with --hf needs an fp8 precision (--hf runs fp16 by default): pass --precision fp8, "
+             "fp8-e4m3 or fp8-e5m2")
 
     if precision is not None and precision not in FP8_FORMATS:
         fail(f"--fp8-recipe applies to an fp8 run, but --precision is {precision}: pass --precision "

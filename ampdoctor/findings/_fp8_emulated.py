@@ -235,7 +235,9 @@ def emulated_candidates(ctx: Any, order: Any) -> list[Candidate]:
                       and (loss := role_loss(role, ts, stats.recipe)) is not None]
             if losses:
                 out.append(_pass_finding(module, phase, losses, stats.recipe, order))
-    return sorted(out, key=lambda c: c.finding.step)  # the earliest step first (stable: then the model's order)
+    # the earliest step first, its forward before its backward (a clipped forward changes the gradients after it);
+    # stable: then the model's order
+    return sorted(out, key=lambda c: (c.finding.step or 0, c.finding.phase == "backward"))
 
 
 _GEMMS = ops_with(Kind.GEMM)

@@ -112,8 +112,10 @@ def apply_plan(spec: StepSpec, plan: FixPlan) -> StepSpec:
     return replace(spec, transforms=tuple(spec.transforms) + tuple(plan.transforms), **changes)
 
 
-def _labels(report: Report) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(f"{f.code}@{f.module or '<root>'}" for f in report.findings))
+def _labels(report: Report, problems_only: bool = False) -> tuple[str, ...]:
+    """``code@module`` of the report's findings (``problems_only``: without ``info`` ones, which need no fix)."""
+    return tuple(dict.fromkeys(f"{f.code}@{f.module or '<root>'}" for f in report.findings
+                               if not problems_only or f.severity != "info"))
 
 
 def _healthy_of(healthy: Curve | None, ref: Curve, broken: Curve) -> dict[str, float | None] | None:
@@ -204,7 +206,8 @@ def _diagnosis_reasons(session: Session, plan: FixPlan, fixed_report: Report | N
         reasons.append(f"the fixed step could not be diagnosed ({diag_error})")
     elif not fixed_report.ok:
         reasons.append(f"the fixed step still has error findings: {', '.join(remaining)}")
-    still = [t for t in targets if fixed_report is not None and t in _labels(fixed_report)]
+    # an info finding left at the same module (a harmless few flushed values) is not the problem the fix was for
+    still = [t for t in targets if fixed_report is not None and t in _labels(fixed_report, problems_only=True)]
     if still:
         reasons.append(f"the finding it was proposed for is still reported: {', '.join(still)}")
     requested = plan.spec_changes.get("precision")
