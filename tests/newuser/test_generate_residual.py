@@ -55,8 +55,10 @@ def test_healthy_twin_generates_clean() -> None:
     assert report.ok and not [f for f in report.findings if f.severity != "info"]
 
 
-def test_fp8_generation_is_refused_with_what_to_run_instead() -> None:
-    model = _gpt2(False)
-    with pytest.raises(ScenarioError, match=r"fp8 generation is not emulated.*ampdoctor\.diagnose\(model"):
-        ampdoctor.diagnose_generate(model, _prompt(), precision="fp8", max_new_tokens=2)
-    assert ampdoctor.diagnose(model, {"input_ids": _prompt()}, precision="fp8").precision == "fp8"  # what it says
+def test_fp8_generation_runs_the_users_recipe_and_other_precisions_are_refused() -> None:
+    model = _gpt2(False)   # (fp8 generation is emulated now: tests/newuser/test_fp8_generate.py)
+    report = ampdoctor.diagnose_generate(model, _prompt(), precision="fp8", max_new_tokens=2,
+                                         fp8_recipe=ampdoctor.precision.Fp8Recipe(scaling="dynamic"))
+    assert report.precision == "fp8" and report.summary["fp8_recipe"]["scaling"] == "dynamic"
+    with pytest.raises(ScenarioError, match="invalid precision 'int8' for a generation"):
+        ampdoctor.diagnose_generate(model, _prompt(), precision="int8", max_new_tokens=2)
