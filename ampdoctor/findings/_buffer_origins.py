@@ -13,7 +13,10 @@ target run with the same leaf in the fp32 reference, by mechanism only (never by
 The finding is at phase ``setup`` on the owning module. It is an ``error`` ranked before every traced op when the
 damage reaches a symptom: a harmful non-finite origin or a precision loss computed from the buffer (for
 ``inexact``, also anything the reading module computes afterwards: integer casts break the floating lineage);
-otherwise a ``warning``.
+otherwise a ``warning``. A flush that only drops values below the rounding of the buffer's own largest entry
+(``u * |max|``) from a buffer that only enters sums of products (GEMM / convolution kernels, through views and
+casts) changes no result beyond that sum's rounding: a ``warning`` with ``negligible`` in evidence, however many
+symptoms lie downstream (a conv-STFT's DFT kernel: ``cos(pi / 2)`` is 6e-17 in float32, 0 in fp16).
 """
 
 from __future__ import annotations
@@ -24,11 +27,21 @@ from typing import Any
 
 import torch
 
-from ampdoctor.findings._common import dtype_name, fmt, is_low, limits, unit_roundoff
+from ampdoctor.findings._common import (
+    ALIAS_OPS,
+    CASTS,
+    SAME_VALUE_OPS,
+    dtype_name,
+    fmt,
+    is_low,
+    limits,
+    op_base,
+    unit_roundoff,
+)
 from ampdoctor.findings._context import Context
 from ampdoctor.findings._registry import SETUP_BUFFER, Candidate
 from ampdoctor.findings._types import Finding, FixProposal
-from ampdoctor.trace import OpRecord
+from ampdoctor.trace import Kind, OpRecord, ops_with
 
 #: the rule (code) that reports each kind of damage
 CODE_OF = {"nonfinite": "overflow", "flushed": "underflow", "inexact": "must-stay-fp32"}
@@ -56,6 +69,40 @@ def _user_buffers(ctx: Context) -> dict[str, torch.Tensor]:
         return {n: b for n, b in model.named_buffers() if b.is_floating_point()}
     except Exception:  # noqa: BLE001 - a model without named_buffers: nothing to compare
         return {}
+
+
+#: ops that pass a buffer's values on unchanged (views, copies, casts): followed to the ops that compute with them
+_PASSES = ALIAS_OPS | SAME_VALUE_OPS | CASTS
+
+
+def _only_contracted(ctx: Context, leaf: OpRecord) -> bool:
+    """Whether every op of step 0 that computes with ``leaf``'s values (through views, copies and casts) is a GEMM
+    or convolution, which sums them in products with other values (and at least one does)."""
+    passing, gemms = {leaf.index}, 0
+    for r in ctx.records[leaf.index + 1:]:
+        if r.step != 0:
+            break
+        if not any(i in passing for i in r.inputs):
+            continue
+        base = op_base(r.op or "")
+        if base in _PASSES:
+            passing.add(r.index)
+        elif base in ops_with(Kind.GEMM):
+            gemms += 1
+        else:
+            return False
+    return gemms > 0
+
+
+def _largest_flushed(value: torch.Tensor | None, dtype: torch.dtype) -> tuple[float, float] | None:
+    """``(largest |value| that is nonzero in float32 and 0 in dtype, |max|)`` of a float32 buffer."""
+    if value is None or value.dtype != torch.float32 or not value.numel():
+        return None
+    v = value.detach()
+    lost = (v != 0) & (v.to(dtype) == 0)
+    if not bool(lost.any()):
+        return None
+    return float(v[lost].abs().max()), float(v.abs().max())
 
 
 def _inexact(value: torch.Tensor | None, dtype: torch.dtype) -> tuple[int, int]:
@@ -134,8 +181,18 @@ def buffer_damage(ctx: Context) -> list[BufferDamage]:
         ev["damaged"] = count
         down, readers = _downstream(ctx, r, by_module=kind == "inexact")
         symptom = _symptom(ctx, down)
+        if kind == "flushed":
+            if values is None:
+                values = _user_buffers(ctx)
+            flushed = _largest_flushed(values.get(r.name), r.dtype)
+            if flushed is not None:
+                ev["largest_flushed"] = flushed[0]
+                if flushed[0] <= unit_roundoff(r.dtype) * flushed[1] and _only_contracted(ctx, r):
+                    ev["negligible"] = True
+                    symptom = None
         err = ctx.target.trace.error or {}
-        crashed = symptom is None and bool(err) and err.get("step") == 0 and _inside(err.get("module", ""), readers)
+        crashed = (symptom is None and not ev.get("negligible") and bool(err) and err.get("step") == 0
+                   and _inside(err.get("module", ""), readers))
         if symptom is not None:
             ev["symptom"] = {"op": symptom.op or "<leaf>", "module": symptom.module, "index": symptom.index}
         elif crashed:
@@ -170,6 +227,10 @@ def _explain(d: BufferDamage, owner: str) -> tuple[str, str]:
         exc = ev["exception"]
         tail = (f" The damage is in the stored value before any op runs; {exc['op']} in {exc['module'] or '<root>'} "
                 f"then raised {exc['type']}: {exc['message']}")
+    elif ev.get("negligible"):
+        tail = (f" Each flushed value (the largest {fmt(ev['largest_flushed'])}) is below the rounding of the "
+                f"buffer's largest entry ({fmt(ev['ref_absmax'])}) in {dt}, and the buffer only enters sums of "
+                "products (GEMM / convolution kernels): the flush changes no result beyond that sum's rounding.")
     else:
         tail = " Nothing downstream shows it in this step (a latent hazard)."
     return title, what + "." + tail

@@ -16,7 +16,8 @@ from ampdoctor.findings._context import Context
 from ampdoctor.trace import Kind, OpRecord, ops_with
 
 POLES = ops_with(Kind.POLE)
-#: ``pow(x, e)`` is a pole at x = 0 when e < 0; its inf is judged by its zero input and finite reference
+#: ``pow(x, e)`` is a pole at x = 0 when e < 0 (a number exponent >= 0 is none); its inf is judged by its zero input
+#: and finite reference
 POWERS = frozenset({"pow"})
 
 
@@ -35,6 +36,8 @@ def flushed_pole_input(ctx: Context, r: OpRecord) -> tuple[OpRecord, float] | No
         return None
     if op_base(r.op) in POWERS and not _finite_reference(ctx, r):
         return None  # a power that overflows fp32 too, or whose reference is missing: not a pole hit
+    if op_base(r.op) in POWERS and r.scalars and min(r.scalars) >= 0:
+        return None  # x ** 2 (or 2 ** x) has no pole: its inf is an overflow, not a zero turned into inf
     for i in r.inputs:
         if i < 0:
             continue

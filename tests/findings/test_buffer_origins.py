@@ -171,6 +171,7 @@ def test_tiny_variance_buffer_flushes_to_zero_and_is_the_origin_of_the_division_
     assert f.severity == "error"
     assert f.evidence["damaged"] == 16
     assert f.evidence["symptom"]["op"] == "aten.rsqrt.default"
+    assert "negligible" not in f.evidence  # an element-wise reader: each flushed variance matters by itself
 
 
 def test_variance_in_fp16_range_twin_is_clean() -> None:
@@ -183,3 +184,43 @@ def test_autocast_keeps_buffers_float32_so_nothing_is_reported_at_setup() -> Non
     torch.manual_seed(0)
     rep = ampdoctor.diagnose(NormModel(1e-8), torch.randn(8, 16), precision="fp16-amp")
     assert not any(f.phase == "setup" for f in rep.findings)
+
+
+class DFTMixing(nn.Module):
+    """FNet's token mixing as TPUs run it: the real part of a DFT along the sequence as a matmul with a stored
+    ``cos(2 pi j k / n)`` matrix, whose ``cos(pi / 2)``-type entries are ~1e-17 in float32 (0 in fp16); then a
+    hand-written softmax without the max (``exp`` of logits up to ~15 overflows in fp16) when ``hot``."""
+
+    def __init__(self, hot: bool, n: int = 16, d: int = 8) -> None:
+        super().__init__()
+        j = torch.arange(n, dtype=torch.float64)
+        self.register_buffer("basis", torch.cos(2 * torch.pi * j[:, None] * j[None] / n).float())
+        self.head = nn.Linear(d, 4)
+        if hot:
+            with torch.no_grad():
+                self.head.bias.fill_(15.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.basis @ x / 4)
+        e = logits.exp()
+        return e / e.sum(-1, keepdim=True)
+
+
+def test_negligible_flush_into_a_gemm_kernel_does_not_outrank_the_real_origin() -> None:
+    torch.manual_seed(0)
+    m = DFTMixing(hot=True)
+    lost = (m.basis != 0) & (m.basis.half() == 0)
+    assert lost.any() and m.basis[lost].abs().max() < 1e-13  # the residues fp16 flushes: far below u * |max| = 1
+    rep = _diagnose(m, torch.randn(2, 16, 8))
+    f = rep.findings[0]
+    assert (f.code, f.op, f.severity) == ("overflow", "aten.exp.default", "error"), rep.findings
+    setup = [g for g in rep.findings if g.phase == "setup"]
+    assert len(setup) == 1 and setup[0].severity == "warning" and setup[0].evidence["negligible"] is True
+    assert setup[0].evidence["largest_flushed"] == pytest.approx(float(m.basis[lost].abs().max()))
+    assert "changes no result" in setup[0].explanation
+
+
+def test_negligible_flush_twin_without_the_overflow_has_no_error() -> None:
+    torch.manual_seed(0)
+    rep = _diagnose(DFTMixing(hot=False), torch.randn(2, 16, 8))
+    assert not [f for f in rep.findings if f.severity == "error"], rep.findings

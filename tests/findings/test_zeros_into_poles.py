@@ -58,3 +58,35 @@ def test_eps_the_dtype_holds_is_clean() -> None:
     report = _normalise(1e-5)
     assert report.ok, report.findings
     assert "constant-out-of-range" not in report.codes()
+
+
+class CentredSquares(torch.nn.Module):
+    """A hand-written variance of a wide residual stream (a sensor-fusion feature, channels ~ +-400): ``x - mean``
+    rounds to exactly 0 in fp16 for the channel at the mean, and ``(x - mean) ** 2`` overflows for the far ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 64)
+        with torch.no_grad():
+            self.proj.weight.mul_(400.0)
+            self.proj.weight[0] = self.proj.weight[1:].mean(0)  # channel 0 sits at the channels' mean
+            self.proj.bias[0] = self.proj.bias[1:].mean()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        d = h - h.mean(-1, keepdim=True)
+        return d / (d.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
+
+
+def test_a_square_is_no_pole_its_inf_is_the_overflow() -> None:
+    torch.manual_seed(0)
+    m = CentredSquares()
+    x = torch.randn(256, 8, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        h = m.proj(x)
+        d32, d16 = h - h.mean(-1, keepdim=True), h.half() - h.half().mean(-1, keepdim=True)
+    assert ((d16 == 0) & (d32 != 0)).any() and (d32.abs().max() > 256)  # a cancelled 0 and squares beyond 65504
+    report = ampdoctor.diagnose(m, x, precision="fp16", loss_fn=lambda o, b: o.float().pow(2).mean())
+    root = report.findings[0]
+    assert (root.code, root.op, root.severity) == ("overflow", "aten.pow.Tensor_Scalar", "error"), report.findings
+    assert not any(f.code == "underflow" and "pole_op" in f.evidence for f in report.findings)  # 0 ** 2 = 0
