@@ -397,3 +397,70 @@ def test_evit_token_pruning_numbers() -> None:
         ref, low = kept(m, x), kept(copy.deepcopy(m).bfloat16(), x.bfloat16())
     assert ev["decisions_changed"] == int((ref != low).any(-1).sum()) == 4  # every image keeps another token set
     assert ev["ties_created"] > 0 and ev["indexed_by"] > 0 and ev["decision_op"] == "aten.topk.default"
+
+
+# ------------------------------------------------------------------ round 6
+def test_mochi_fourier_numbers() -> None:
+    spec, report = _diagnose("mochi-fourier-features-bf16", True)
+    ev = report.findings[0].evidence
+    x = spec["batch"].float() / 127.5 - 1.0
+    w = torch.tensor([2.0**6, 2.0**7]) * 2 * math.pi
+    x0 = x[:, :1]  # the first colour channel, at both frequencies
+    h32 = w[None, :, None, None, None] * x0
+    h16 = (w.bfloat16()[None, :, None, None, None] * x0.bfloat16()).float()  # the case's bf16 mul
+    assert ev["argument_absmax"] == pytest.approx(2**7 * 2 * math.pi * x.abs().max().item(), rel=1e-3)  # 804 rad
+    assert (h16 - h32).abs().max() >= 0.5 and ev["argument_abs_error"] >= 0.5  # half a radian of phase and more
+    assert (h16.sin() - h32.sin()).abs().max() > 0.25 and ev["function_error"] > 0.25
+
+
+def test_convmelspec_eps_numbers() -> None:
+    spec, report = _diagnose("convmelspec-eps-fp16", True)
+    f = report.findings[0]
+    assert f.evidence["constant"] == 1e-8 and torch.tensor(1e-8).half().item() == 0.0 < torch.tensor(1e-5).half()
+    mel = _fp32_forward(spec, spec["model"].melspec, lambda a, o: o)  # 10 log10(clamp(mel, 1e-8)) in fp32
+    assert int((mel == -80.0).sum()) == f.evidence["n_zero"] > 0  # silent frames: mel power exactly 0, -80 dB
+    setup = [g for g in report.findings if g.phase == "setup"]
+    assert setup and all(g.severity == "warning" and g.evidence.get("negligible") for g in setup)
+
+
+def test_log_semiring_numbers() -> None:
+    spec, report = _diagnose("log-semiring-sum-fp16", True)
+    ev = report.findings[0].evidence
+    with torch.no_grad():
+        w = spec["model"].arc_weights(spec["batch"]).squeeze(-1)
+        s = torch.exp(w - w.max(-1, keepdim=True).values).sum(-1)
+    assert ev["ref_absmax"] == pytest.approx(s.max().item(), rel=1e-2) and s.min() > 65504  # every row's sum
+    assert torch.isfinite(s.log().half()).all()  # the logarithm (~11.7) fits fp16: only the sum does not
+
+
+def test_waveglow_loss_sum_numbers() -> None:
+    spec, report = _diagnose("waveglow-loss-sum-fp16", True)
+    ev = report.findings[0].evidence
+    with torch.no_grad():
+        z, _ = spec["model"](spec["batch"])
+    assert ev["ref_absmax"] == pytest.approx((z * z).sum().item(), rel=1e-2)
+    assert (z * z).max() < 65504 < ev["ref_absmax"]  # every square fits, their sum does not
+
+
+def test_convnext_channels_first_ln_numbers() -> None:
+    spec, report = _diagnose("convnext-channels-first-ln-fp16", True)
+    ev = report.findings[0].evidence
+    x = _fp32_forward(spec, spec["model"].norm, lambda a, o: a[0])
+    sq = (x - x.mean(1, keepdim=True)).pow(2)
+    assert ev["ref_absmax"] == pytest.approx(sq.max().item(), rel=1e-2) and x.abs().max() < 65504
+    assert ev["n_inf"] == pytest.approx(int((sq > 65520).sum()), abs=8)  # each square above fp16's max is inf
+    assert not any(f.code == "underflow" and "pole_op" in f.evidence for f in report.findings)
+
+
+def test_cdist_knn_numbers() -> None:
+    spec, report = _diagnose("cdist-knn-support-bf16", True)
+    ev = report.findings[0].evidence
+    m, b = spec["model"], spec["batch"]
+    with torch.no_grad():
+        ref = torch.cdist(m.encoder(b["x"]), m.encoder(b["support_x"])).argmin(-1)
+        mb = copy.deepcopy(m).bfloat16()
+        low = torch.cdist(mb.encoder(b["x"].bfloat16()), mb.encoder(b["support_x"].bfloat16())).argmin(-1)
+        direct = (m.encoder(b["x"])[:, None] - m.encoder(b["support_x"])[None]).norm(dim=-1).argmin(-1)
+    assert torch.equal(ref, direct)  # the fp32 matmul path agrees with the differences
+    assert ev["decision_op"] == "aten.argmin.default" and ev["indexed_by"] > 0
+    assert ev["decisions_changed"] == int((ref != low).sum()) >= 0.05 * 64  # queries that take another label
