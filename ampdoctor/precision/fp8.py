@@ -337,6 +337,22 @@ class _Disabled(threading.local):
 _DISABLED = _Disabled()
 
 
+class _Active(threading.local):
+    def __init__(self) -> None:
+        self.blocks: list[Fp8Autocast] = []
+
+
+_ACTIVE = _Active()
+
+
+def active_recipe() -> Fp8Recipe | None:
+    """The recipe of the innermost :func:`fp8_autocast` block active in this thread (``None`` outside one, or inside
+    :func:`fp8_disabled`): what a watch records so that a replay runs the user's recipe."""
+    if _DISABLED.depth or not _ACTIVE.blocks:
+        return None
+    return _ACTIVE.blocks[-1].recipe
+
+
 @contextlib.contextmanager
 def fp8_disabled() -> Iterator[None]:
     """Inside an :func:`fp8_autocast` block, run the ``F.linear`` calls of this block unquantised (in their own
@@ -428,6 +444,7 @@ class Fp8Autocast:
             self._hooks()
             self._mode = _Fp8Mode(self)
             self._mode.__enter__()
+            _ACTIVE.blocks.append(self)
         except BaseException:
             self._cleanup()
             raise
@@ -442,6 +459,8 @@ class Fp8Autocast:
             self._cleanup()
 
     def _cleanup(self) -> None:
+        if self in _ACTIVE.blocks:
+            _ACTIVE.blocks.remove(self)
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -7,6 +7,7 @@ optimizer state and batch to the CPU (a sync); it runs only for the first anomal
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampdoctor.precision import FP8_FORMATS
+from ampdoctor.precision.fp8 import active_recipe
 from ampdoctor.trace import HALF_DTYPES
 from ampdoctor.watch import _reproducer
 from ampdoctor.watch._record import StepRecord
@@ -71,12 +74,25 @@ def rng_state(device_type: str) -> dict[str, Any]:
             "cuda": torch.cuda.get_rng_state_all() if device_type == "cuda" else None}
 
 
+#: the precision name of an emulated fp8 block, by its recipe's format
+FP8_PRECISION_OF: dict[str, str] = {fmt: name for name, fmt in FP8_FORMATS.items()}
+
+
+def fp8_settings() -> dict[str, Any]:
+    """``{"fp8_recipe": fields}`` inside ampdoctor's emulated fp8 block (its innermost recipe), else ``{}``."""
+    recipe = active_recipe()
+    return {} if recipe is None else {"fp8_recipe": dataclasses.asdict(recipe)}
+
+
 def precision_settings(autocast: dict[str, Any], params: Sequence[torch.Tensor]) -> dict[str, Any]:
     """The precision a step ran in: autocast as seen during the forward, else the parameters' main dtype."""
     dtypes = [p.dtype for p in params]
     main = max(set(dtypes), key=dtypes.count) if dtypes else torch.float32
     name = None
-    if autocast["autocast"] and autocast["autocast_dtype"] in ("float16", "bfloat16"):
+    recipe = autocast.get("fp8_recipe")
+    if isinstance(recipe, dict) and recipe.get("format") in FP8_PRECISION_OF:
+        name = FP8_PRECISION_OF[recipe["format"]]
+    elif autocast["autocast"] and autocast["autocast_dtype"] in ("float16", "bfloat16"):
         name = "fp16-amp" if autocast["autocast_dtype"] == "float16" else "bf16-amp"
     elif main == torch.float16:
         name = "fp16"

@@ -32,8 +32,10 @@ A reproducer is a ``dict`` holding only tensors, dicts, lists, tuples, strings, 
 ``rng``
     ``{"cpu": torch.get_rng_state() at the step's forward, "cuda": [...] or None}``.
 ``precision``
-    ``{"name": "fp16-amp" | "bf16-amp" | "fp16" | "bf16" | None, "autocast": bool, "autocast_dtype": str | None,
-    "device_type": str, "param_dtype": str}`` as seen during the forward.
+    ``{"name": "fp16-amp" | "bf16-amp" | "fp16" | "bf16" | "fp8" | "fp8-e4m3" | "fp8-e5m2" | None, "autocast": bool,
+    "autocast_dtype": str | None, "device_type": str, "param_dtype": str}`` as seen during the forward; a forward
+    inside ampdoctor's emulated fp8 block (``precision.fp8.fp8_autocast``) adds ``"fp8_recipe"``, the block's
+    recipe as a dict of its fields, and the replay diagnoses the step with that recipe.
 ``source``, ``model_class``, ``torch_version``
     The scenario/script path when known (``""`` otherwise), the model's qualified class name, torch's version.
 
@@ -368,6 +370,7 @@ def _replay(payload: dict[str, Any], model_factory: Callable[[], nn.Module] | No
     optimizer = _rebuild_optimizer(payload, model)
     scaler = _rebuild_scaler(payload)
     precision = (payload.get("precision") or {}).get("name")
+    recipe = _recorded_recipe(payload)
     loss_fn = loss_fn if loss_fn is not None else scenario.get("loss_fn")
     train_step = train_step if train_step is not None else scenario.get("train_step")
     if train_step is None and payload.get("step_method") == "training_step":
@@ -379,13 +382,30 @@ def _replay(payload: dict[str, Any], model_factory: Callable[[], nn.Module] | No
 
     _set_step_rng(payload.get("rng"))
     report = diagnose(model, batch, precision=precision, loss_fn=loss_fn, optimizer=optimizer, scaler=scaler,
-                      train_step=train_step)
+                      train_step=train_step, fp8_recipe=recipe)
     summary = dict(report.summary)
     if isinstance(train_step, CallsReplay):
         summary.update(replayed_calls=len(calls or ()), forward_only=train_step.forward_only)
     summary["replay"] = {"step": payload["step"], "anomaly": payload["anomaly"], "reproducer": origin,
                          "optimizer": optimizer is not None, "scaler": scaler is not None}
     return Report(report.findings, report.precision, summary, report.layers, origin or report.source)
+
+
+def _recorded_recipe(payload: dict[str, Any]) -> Any:
+    """The fp8 recipe the watched forward ran under (``precision["fp8_recipe"]``), or ``None``."""
+    fields = (payload.get("precision") or {}).get("fp8_recipe")
+    if fields is None:
+        return None
+    from ampdoctor.precision import Fp8Recipe
+
+    try:
+        if not isinstance(fields, dict):
+            raise TypeError(f"a dict of the recipe's fields, got {type(fields).__name__}")
+        return Fp8Recipe(**fields)
+    except (TypeError, ValueError) as e:
+        raise ReproducerError(f"the reproducer's precision['fp8_recipe'] is not an fp8 recipe ({e}); it records "
+                              "the fields of ampdoctor.precision.Fp8Recipe (format, scaling, amax_history_len, "
+                              "margin, amax_floor): fix or remove that entry") from None
 
 
 def replay_payload(payload: dict[str, Any], model_factory: Callable[[], nn.Module] | None = None, *,

@@ -46,7 +46,7 @@ from ampdoctor.watch._detectors import (
 from ampdoctor.watch._hooks import Health, Hook, guarded
 from ampdoctor.watch._options import AnomalyError, WatchOptions
 from ampdoctor.watch._params import Parameters, local_grad
-from ampdoctor.watch._payload import MAX_STEP_CALLS, Iteration, rng_state
+from ampdoctor.watch._payload import MAX_STEP_CALLS, Iteration, fp8_settings, rng_state
 from ampdoctor.watch._policy import Anomaly, AnomalyPolicy
 from ampdoctor.watch._prestate import PreUpdate, take
 from ampdoctor.watch._probe import GradProbe
@@ -240,10 +240,11 @@ class StepTracker:
             self.note_autocast()
 
     def note_autocast(self) -> None:
-        dt = self.device_type
-        if torch.is_autocast_enabled(dt):
+        if torch.is_autocast_enabled(dt := self.device_type):
             self.autocast = {"autocast": True, "autocast_dtype": str(torch.get_autocast_dtype(dt)).replace(
                 "torch.", ""), "device_type": dt}
+        if fp8 := fp8_settings():  # inside ampdoctor's emulated fp8 block: a replay runs its recipe
+            self.autocast = {**self.autocast, **fp8}
 
     @guarded
     def on_grad(self, p: torch.Tensor) -> None:   # inside backward(): an error here must never reach it

@@ -33,6 +33,9 @@ def test_schema_matches_the_data_types(validator):
     assert schema["properties"]["schema_version"] == {"const": SCHEMA_VERSION}
     assert tuple(schema["$defs"]["code"]["enum"]) == CODES
     assert tuple(schema["$defs"]["phase"]["enum"]) == PHASES
+    from ampdoctor.precision import PRECISIONS  # a report of every precision validates (fp8-e4m3 did not)
+
+    assert tuple(schema["$defs"]["precision"]["enum"]) == PRECISIONS
     assert tuple(schema["$defs"]["finding"]["properties"]["severity"]["enum"]) == SEVERITIES
     # every key to_dict() writes is described, so additionalProperties=false cannot reject real output
     assert set(schema["properties"]) == set(Report().to_dict())
