@@ -77,8 +77,9 @@ class AmpDoctorCallback(Callback):
             self.watch.replay_with(self._replay_step, method="training_step")   # also in its reproducers
         asked = _requested_precision(trainer)
         if asked is not None:           # steps that do not run the Trainer's precision: precision_note
+            mixed = "mixed" in str(getattr(trainer, "precision", ""))   # "16-true": 16-bit weights are meant
             for w in self.watches:
-                w.expect_precision(*asked)
+                w.expect_precision(*asked, mixed=mixed)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if len(self.watches) == 1:

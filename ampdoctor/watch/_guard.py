@@ -35,6 +35,7 @@ from ampdoctor.watch._prestate import moved_to, nonfinite_state, prior_payload
 from ampdoctor.watch._ranks import RankAgreement, is_sharded
 from ampdoctor.watch._report import backward_dtype, build_report, precision_of
 from ampdoctor.watch._scaler import GradScalerView
+from ampdoctor.watch._setup import mixed_setup_finding
 from ampdoctor.watch._sinks import ScalarSink, Sinks
 from ampdoctor.watch._steps import StepTracker
 
@@ -97,6 +98,8 @@ class Watch:
             if self.options.tensorboard is not None:
                 self._sinks.open_tensorboard(os.fspath(self.options.tensorboard))
             self._health.ready = True
+            if self._tracker.scaler is not None and self._policy.setup is None:   # a GradScaler over fp16 weights
+                self._setup_finding("fp16", "a GradScaler (fp16 loss scaling)", only_fp16=True)
             if self.options.loss_code:
                 self.record_loss_code()
         except Exception as exc:  # noqa: BLE001
@@ -191,12 +194,27 @@ class Watch:
                                          self._health)
             self._policy.loss_code = self._loss_tap.program
 
-    def expect_precision(self, requested: str, by: str) -> None:
+    def expect_precision(self, requested: str, by: str, *, mixed: bool = True) -> None:
         """What the user asked ``by`` (a framework: ``"Trainer(fp16=True)"``) to run, ``"fp16"`` or ``"bf16"``;
-        a report whose steps ran otherwise says so (``precision_note``), e.g. fp16 on CPU that runs in fp32."""
+        a report whose steps ran otherwise says so (``precision_note``), e.g. fp16 on CPU that runs in fp32.
+        ``mixed`` (autocast over fp32 weights, not Lightning's ``"16-true"``): 16-bit trainable parameters are
+        reported now, before step 0 (``low-precision-params``, :mod:`ampdoctor.watch._setup`), and logged."""
         if requested not in ("fp16", "bf16"):
             raise ValueError(f"requested precision must be 'fp16' or 'bf16', got {requested!r}")
         self._policy.requested = (requested, by)
+        if mixed:
+            self._setup_finding(requested, by)
+
+    def _setup_finding(self, requested: str, by: str, *, only_fp16: bool = False) -> None:
+        """Judge the trainable parameters' dtypes against mixed precision now, before step 0, and log it."""
+        params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        if only_fp16 and not any(p.dtype == torch.float16 for _, p in params):
+            return
+        f = mixed_setup_finding(requested, by, params)
+        self._policy.setup = f
+        if f is not None:
+            log.log(logging.ERROR if f.severity == "error" else logging.WARNING, "ampdoctor: [%s] %s: %s Fix: %s",
+                    f.severity, f.code, f.explanation, f.fixes[0].title)
 
     def add_scalar_sink(self, fn: ScalarSink) -> None:
         """Also send the watch's scalars (``ampdoctor/loss``, ``ampdoctor/loss_scale``, ``ampdoctor/grad_norm``)

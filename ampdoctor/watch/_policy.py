@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampdoctor.findings import Report
+from ampdoctor.findings import Finding, Report
 from ampdoctor.watch import _reproducer
 from ampdoctor.watch._detectors import WINDOW, Detection
 from ampdoctor.watch._method_step import CallsReplay
@@ -92,6 +92,8 @@ class AnomalyPolicy:
         self.ranks: RankAgreement | None = None
         #: the precision a framework was asked for, and by what (``Watch.expect_precision``)
         self.requested: tuple[str, str] | None = None
+        #: 16-bit parameters under a mixed precision request, found before step 0 (``_setup.py``)
+        self.setup: Finding | None = None
         #: an FSDP model: no payload (its state_dict and forward are collectives), so no reproducer and no replay
         self.sharded = False
         self._pending_raise: AnomalyError | None = None

@@ -38,7 +38,8 @@ def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) ->
     seen = recs + [cur] if cur.nonfinite_params or cur.loss is not None else recs
     episodes = _rules.collapse_findings(recs, t.options.collapse_steps, s.backoff, s.health.overflow_params,
                                         s.health.overflow_params_step)
-    own = (_rules.with_health(episodes, _rules.health_finding(s.health, t.options, s.backoff))
+    setup = [policy.setup] if policy.setup is not None else []     # 16-bit weights under mixed precision
+    own = (setup + _rules.with_health(episodes, _rules.health_finding(s.health, t.options, s.backoff))
            + _rules.nonfinite_findings(seen, t.params.owners)
            + _rules.coverage_findings(coverage, t.params.owners, ddp=t.ddp_strict)
            + _rules.low_precision_findings(s.lost if t.params.low else None, t.params.owners))

@@ -299,8 +299,10 @@ def precision_note(requested: tuple[str, str] | None, ran: str | None) -> str | 
     want, by = requested
     if ran is not None and ran.startswith(want):
         return None
+    why = (f"the parameters are {ran}, see the low-precision-params finding" if ran in ("fp16", "bf16")
+           else f"{want} is not applied on this device, e.g. fp16 on CPU")
     return (f"{by} asked for {want}, but the steps ran in {ran or 'fp32'} (autocast and parameters as the watch saw "
-            f"them; {want} is not applied on this device, e.g. fp16 on CPU): this report says nothing about {want}. "
+            f"them; {why}): this report says nothing about {want}. "
             f"Run on a GPU, or ask ampdoctor.diagnose(..., precision='{want}-amp') for what {want} would do.")
 
 
