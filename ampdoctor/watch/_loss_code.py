@@ -21,6 +21,7 @@ ran the forward alone).
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import logging
 import sys
 import types
@@ -37,6 +38,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from ampdoctor.precision import default_loss
 from ampdoctor.trace import user_frame
 from ampdoctor.watch._hooks import Health, Hook, guarded
+from ampdoctor.watch._payload import MAX_STEP_CALLS as MAX_MICRO  # a reproducer keeps as many calls
 from ampdoctor.watch._reproducer import is_replaying
 
 log = logging.getLogger("ampdoctor.watch")
@@ -115,6 +117,13 @@ class LossProgram:
     loss: Ref
     #: the root module's forwards the loss reads (a GAN discriminator's loss: its real and its fake call)
     forwards: int = 1
+    #: gradient accumulation: the loss code of the step's earlier micro-batches, in order (each read one forward)
+    earlier: tuple[LossProgram, ...] = ()
+
+    @property
+    def micro_batches(self) -> tuple[LossProgram, ...]:
+        """Each micro-batch's loss code, in order, this one last (one entry without accumulation)."""
+        return (*self.earlier, dataclasses.replace(self, earlier=()))
 
     def loss_fn(self, output: Any, batch: Any = None) -> torch.Tensor:
         """The recorded calls run on ``output`` (the replay's model output); returns the loss."""
@@ -330,10 +339,13 @@ class LossCodeTap:
         rec = self.recorder
         if rec is None:
             return
-        if rec.program is not None and not any(p is rec.program for _, p in self._programs):
+        if rec.program is not None and not any(p.calls is rec.program.calls for _, p in self._programs):
+            program = rec.program
             if self._programs and self._programs[-1][0] == self._step:   # gradient accumulation: one forward
-                self._programs.pop()         # and backward per micro-batch; a step keeps its last micro-batch's
-            self._programs.append((self._step, rec.program))
+                prev = self._programs.pop()[1]    # and backward per micro-batch; the step keeps each one's code
+                micro = prev.micro_batches if prev.forwards == program.forwards == 1 else ()
+                program = dataclasses.replace(program, earlier=micro if len(micro) < MAX_MICRO else ())
+            self._programs.append((self._step, program))
         if not rec.done and self._step != self._step_of():
             rec.stop("the step ended before backward()")
         if rec.done and rec.pop():

@@ -64,8 +64,9 @@ class CallsReplay:
     their order so that a failure in any call is traced, not only in the last. When every call returns a loss
     (a scalar, or ``.loss``) their sum is backpropagated and the update made, as :func:`ampdoctor.diagnose` runs a
     model's own loss; with ``program`` (the loop's loss code recorded over the step's last ``program.forwards``
-    forwards, ``_loss_code.LossProgram``) that loss is run on those calls' outputs; otherwise the calls run forward
-    only (``forward_only``: the loss was computed outside)."""
+    forwards, ``_loss_code.LossProgram``) that loss is run on those calls' outputs, and under gradient accumulation
+    (one recorded loss per call) each call's own loss, summed as the micro-batches' gradients add up; otherwise the
+    calls run forward only (``forward_only``: the loss was computed outside)."""
 
     def __init__(self, program: Any = None) -> None:
         self.program = program
@@ -75,7 +76,10 @@ class CallsReplay:
         from ampdoctor.precision import default_loss
 
         outputs = [model(*c["args"], **c["kwargs"]) for c in batch]
-        if self.program is not None and len(outputs) >= self.program.forwards:
+        micro = self.program.micro_batches if self.program is not None and self.program.forwards == 1 else ()
+        if len(micro) > 1 and len(micro) == len(outputs):    # gradient accumulation: each micro-batch's own loss
+            losses = [p.run([out]) for p, out in zip(micro, outputs)]
+        elif self.program is not None and len(outputs) >= self.program.forwards:
             losses = [self.program.run(outputs[len(outputs) - self.program.forwards:])]
         else:
             found = [default_loss(out) for out in outputs]

@@ -278,9 +278,13 @@ class AnomalyPolicy:
         program = self.loss_code(int(payload["step"]))
         if program is None:
             return None, None
-        if program.forwards == 1:
+        calls = len(payload.get("calls") or ())
+        if program.forwards == 1 and calls <= 1:
             return program.loss_fn, None
-        enough = len(payload.get("calls") or ()) >= program.forwards
+        # several forwards in the step (gradient accumulation's micro-batches): every one runs, under the trace,
+        # from the RNG state before the first, and the loss code on the last; a micro-batch that overflowed
+        # before the last is then located too, not only the last one's (healthy) forward
+        enough = calls >= program.forwards
         return None, CallsReplay(program) if enough else None
 
     def _run_replay(self, payload: dict[str, Any], path: str | None) -> Report | None:
