@@ -20,6 +20,23 @@ import torch
 STEP_METHODS = ("training_step",)
 
 
+class MicroBatches(list):  # type: ignore[type-arg]
+    """The batches of one optimizer step under gradient accumulation (Lightning's ``accumulate_grad_batches``), in
+    order: :func:`training_step_replay` runs ``training_step`` on each and backpropagates their mean, as Lightning
+    divides each micro-batch's loss by their number. Built at replay time from a reproducer's ``micro_batches``."""
+
+
+class OverMicroBatches:
+    """``train_step`` over a step's micro-batches: the replay's (mapped, copied) batch is the plain list of them;
+    it is marked :class:`MicroBatches` again before ``train_step`` (:func:`training_step_replay`) runs."""
+
+    def __init__(self, train_step: Any) -> None:
+        self.train_step = train_step
+
+    def __call__(self, model: Any, batch: Any, optimizer: Any = None, scaler: Any = None) -> Any:
+        return self.train_step(model, MicroBatches(batch), optimizer=optimizer, scaler=scaler)
+
+
 def training_step_replay(model: Any, batch: Any, optimizer: Any = None, scaler: Any = None,
                          batch_idx: int = 0) -> Any:
     """The step as Lightning runs it, on the replay's copy: ``training_step``, then (automatic optimization)
@@ -32,10 +49,16 @@ def training_step_replay(model: Any, batch: Any, optimizer: Any = None, scaler: 
     if manual:
         model.optimizers = lambda *a, **k: optimizer
         model.manual_backward = lambda loss, *a, **k: loss.backward(*a, **k)
+    micro = list(batch) if isinstance(batch, MicroBatches) and not manual else [batch]
+    losses = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")         # "self.log() without a Trainer" on the copy
-        out = model.training_step(batch, batch_idx)
-    loss = out.get("loss") if isinstance(out, Mapping) else out
+        for i, b in enumerate(micro):           # each micro-batch under the trace: any of them may overflow
+            out = model.training_step(b, batch_idx - len(micro) + 1 + i if len(micro) > 1 else batch_idx)
+            losses.append(out.get("loss") if isinstance(out, Mapping) else out)
+    tensors = [x for x in losses if isinstance(x, torch.Tensor)]
+    loss = losses[0] if len(losses) == 1 else (torch.stack([x.float() for x in tensors]).mean()
+                                               if len(tensors) == len(losses) else None)
     if manual or not isinstance(loss, torch.Tensor):
         return loss if isinstance(loss, torch.Tensor) else None
     if loss.requires_grad:
@@ -92,4 +115,4 @@ class CallsReplay:
         return loss
 
 
-__all__ = ["STEP_METHODS", "CallsReplay", "training_step_replay"]
+__all__ = ["STEP_METHODS", "CallsReplay", "MicroBatches", "OverMicroBatches", "training_step_replay"]

@@ -37,6 +37,8 @@ class StepInputs:
     #: state before the first; empty when more than ``MAX_STEP_CALLS`` were made (the replay then runs the last)
     calls: tuple[tuple[tuple[Any, ...], dict[str, Any]], ...] = ()
     first_rng: dict[str, Any] | None = None
+    #: every batch observed in the step (Lightning's micro-batches under ``accumulate_grad_batches``), in order
+    batches: tuple[Any, ...] = ()
 
 
 #: root-module calls of one step a reproducer keeps (all of them are replayed when the step has several)
@@ -58,14 +60,16 @@ class Iteration:
 
     calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
     first_rng: dict[str, Any] | None = None
+    batches: list[Any] = field(default_factory=list)
 
     @property
-    def active(self) -> bool:
-        return self.forward_seen or bool(self.seen)
+    def active(self) -> bool:      # a batch observed (Lightning's micro-batch) also opens the step
+        return self.forward_seen or bool(self.seen) or bool(self.batches)
 
     def inputs(self) -> StepInputs:
         calls = tuple(self.calls) if len(self.calls) <= MAX_STEP_CALLS else ()
-        return StepInputs(self.batch, self.has_batch, self.call, self.rng, calls, self.first_rng)
+        batches = tuple(self.batches) if len(self.batches) <= MAX_STEP_CALLS else ()
+        return StepInputs(self.batch, self.has_batch, self.call, self.rng, calls, self.first_rng, batches)
 
 
 def rng_state(device_type: str) -> dict[str, Any]:
@@ -147,7 +151,9 @@ def build_payload(*, step: int, kind: str, message: str, model: nn.Module, optim
     several = not inputs.has_batch and len(inputs.calls) > 1
     calls = ([{"args": _reproducer.to_saveable(list(a), dropped, "args"),
                "kwargs": _reproducer.to_saveable(k, dropped, "kwargs")} for a, k in inputs.calls] if several else None)
-    rng = (inputs.first_rng if several else None) or inputs.rng or rng_state(device_type)
+    micro = ([_reproducer.to_saveable(b, dropped, "batch") for b in inputs.batches]
+             if inputs.has_batch and len(inputs.batches) > 1 else None)
+    rng = (inputs.first_rng if several or micro else None) or inputs.rng or rng_state(device_type)
     return {
         "format": _reproducer.FORMAT, "version": _reproducer.VERSION,
         "step": step, "anomaly": kind, "message": message,
@@ -165,6 +171,7 @@ def build_payload(*, step: int, kind: str, message: str, model: nn.Module, optim
         "scaler_state": scaler_state,
         "scaler_device": None if scaler_state is None or scaler is None else scaler.device,
         "calls": calls,
+        "micro_batches": micro,
         "rng": rng,
         "precision": precision,
         "source": source,

@@ -63,7 +63,7 @@ from torch import nn
 from ampdoctor.errors import ReproducerError
 from ampdoctor.findings import Finding, Report
 from ampdoctor.trace import frame_boundary
-from ampdoctor.watch._method_step import STEP_METHODS, CallsReplay, training_step_replay
+from ampdoctor.watch._method_step import STEP_METHODS, CallsReplay, OverMicroBatches, training_step_replay
 from ampdoctor.watch._rules import not_reproduced, with_unreproduced
 
 log = logging.getLogger(__name__)
@@ -375,6 +375,9 @@ def _replay(payload: dict[str, Any], model_factory: Callable[[], nn.Module] | No
     train_step = train_step if train_step is not None else scenario.get("train_step")
     if train_step is None and payload.get("step_method") == "training_step":
         train_step = training_step_replay      # the model's own training_step (never a name from the file)
+    micro = payload.get("micro_batches")
+    if micro and len(micro) > 1 and payload.get("step_method") == "training_step":   # accumulated micro-batches
+        batch, train_step = _to_device(list(micro), device), OverMicroBatches(train_step or training_step_replay)
     calls = payload.get("calls")
     if calls and (isinstance(train_step, CallsReplay) or (train_step is None and loss_fn is None)):
         batch, train_step = _to_device(calls, device), train_step or CallsReplay()   # every call of the step
