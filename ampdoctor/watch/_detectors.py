@@ -30,6 +30,8 @@ class Detection:
     kind: Kind
     record: StepRecord
     message: str
+    #: the first step of what was detected (a run of GradScaler-skipped steps: its first skip), when earlier
+    first_step: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------- events
@@ -313,7 +315,7 @@ def _skipped_steps(e: StepClosed, s: DetectorState) -> list[Detection]:
         f"GradScaler skipped {len(run)} consecutive optimizer steps ({run[0].step}..{rec.step}) because the "
         f"gradients held inf/NaN; the loss scale fell {fell}and the weights stopped changing. Some op produces "
         "non-finite gradients at every scale: replay the reproducer (or use on_anomaly='replay') to locate it, "
-        "or try bf16 autocast.")]
+        "or try bf16 autocast.", run[0].step)]
 
 
 __all__ = ["DETECTORS", "Detection", "DetectorState", "GradsSeen", "LossSeen", "LostSeen", "ProbeSeen", "ScaleHealth",

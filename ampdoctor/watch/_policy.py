@@ -155,8 +155,10 @@ class AnomalyPolicy:
         # no origin -- a rank whose replay sees received inf/NaN that way must not claim the job's first value
         if (root is not None and self.replay_step == step and root.code in NONFINITE_CODES
                 and root.severity == "error" and (root.module or root.op)):
-            self.ranks.note_own(step, {"kind": d.kind, "code": root.code, "module": root.module, "op": root.op,
-                                       "phase": root.phase})
+            # a collapse is detected (and replayed) at its run's 3rd skip; the data overflowed from its first one
+            first = d.first_step if d.first_step is not None else step
+            self.ranks.note_own(first, {"kind": d.kind, "code": root.code, "module": root.module, "op": root.op,
+                                        "phase": root.phase})
 
     def agree(self, step: int, *, skip: bool = True) -> None:
         """The step's agreement (every rank calls it at each optimizer pre-step check, and once after

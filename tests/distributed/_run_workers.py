@@ -43,4 +43,4 @@ def run_ddp_script(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             "events": s.get("rank_events"), "rank_exchanges": s.get("rank_exchanges"),
             "root_cause": None if r.root_cause is None else (r.root_cause.code, r.root_cause.module, r.root_cause.op,
                                                               r.root_cause.evidence.get("origin_rank"),
-                                                              r.root_cause.title)}
+                                                              r.root_cause.title, r.root_cause.step)}

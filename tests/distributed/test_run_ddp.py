@@ -28,6 +28,10 @@ def test_run_watches_the_ddp_wrapper_and_rank1_names_the_overflowing_linear() ->
     assert r0["origin_rank"] == r1["origin_rank"] == 1, (r0["origin"], r1["origin"])
     assert r0["root_cause"][:4] == ("overflow", "0", "aten._to_copy.default", 1), r0["root_cause"]
     assert "rank 1" in r0["root_cause"][4] and "rank 0's own values stayed finite" in r0["root_cause"][4]
+    # the step where rank 1's data first overflowed (its first skipped step, 2), not the step its replay ran (4),
+    # on both ranks
+    assert r0["origin"]["step"] == r1["origin"]["step"] == 2 and r0["root_cause"][5] == 2, r0["root_cause"]
+    assert "at step 2" in r0["root_cause"][4], r0["root_cause"][4]
     code0, sev0, module0, op0 = r0["findings"][0][:4]
     assert (code0, sev0, module0, op0) == ("overflow", "error", "0", "aten._to_copy.default"), r0["findings"]
     assert not any(e["rank"] == 0 and e["local"] for e in r0["events"]), r0["events"]
