@@ -165,6 +165,27 @@ class _Runner:
             log.info("ampdoctor run: %s", self.scaler_note)
         return scalers
 
+    def _requested_precision(self) -> tuple[str, str, bool] | None:
+        """The precision the script asked a framework it already imported for (``TrainingArguments(fp16=True)``,
+        ``Accelerator(mixed_precision=...)``, a Lightning ``Trainer(precision=...)``), as ``(fp16|bf16, by,
+        mixed)``; None when it asked none. Nothing is imported here."""
+        kinds = [k for k in (getattr(sys.modules.get("transformers.training_args"), "TrainingArguments", None),
+                             getattr(sys.modules.get("accelerate.accelerator"), "Accelerator", None),
+                             getattr(sys.modules.get("lightning.pytorch.trainer.trainer"), "Trainer", None))
+                 if isinstance(k, type)]
+        for o in (o for k in kinds for o in self._objects(k)):
+            for flag in ("fp16", "bf16"):
+                if getattr(o, flag, None) is True:
+                    return flag, f"TrainingArguments({flag}=True)", True
+            mp = str(getattr(o, "mixed_precision", ""))
+            if mp in ("fp16", "bf16"):
+                return mp, f"Accelerator(mixed_precision={mp!r})", True
+            precision = str(getattr(o, "precision", "")) if hasattr(o, "precision_plugin") else ""
+            if precision.startswith(("16", "bf16")):
+                want = "bf16" if precision.startswith("bf16") else "fp16"
+                return want, f"Trainer(precision={precision!r})", "mixed" in precision
+        return None
+
     def _attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Watch:
         self.watched.add(id(optimizer))
         scalers = self._scaler()
@@ -173,6 +194,9 @@ class _Runner:
             w.scaler_among(scalers)
         w.__enter__()
         w.record_loss_code()        # the script's loss code: the replay of a failing step runs it too
+        asked = self._requested_precision()
+        if asked is not None:       # 16-bit weights under a mixed precision request: said before step 0
+            w.expect_precision(asked[0], asked[1], mixed=asked[2])
         self.watches.append(w)
         log.info("ampdoctor run: watching %s with %s", type(model).__name__, type(optimizer).__name__)
         return w

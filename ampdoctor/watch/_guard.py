@@ -213,7 +213,7 @@ class Watch:
         f = mixed_setup_finding(requested, by, params)
         self._policy.setup = f
         if f is not None:
-            log.log(logging.ERROR if f.severity == "error" else logging.WARNING, "ampdoctor: [%s] %s: %s Fix: %s",
+            log.log(logging.ERROR if f.severity == "error" else logging.WARNING, "ampdoctor.watch: [%s] %s: %s Fix: %s",
                     f.severity, f.code, f.explanation, f.fixes[0].title)
 
     def add_scalar_sink(self, fn: ScalarSink) -> None:

@@ -117,3 +117,35 @@ def test_a_gradscaler_over_fp32_weights_gets_no_setup_finding() -> None:
             opt.zero_grad()
             w.step(loss)
     assert w.report().ok and "low-precision-params" not in w.report().codes()
+
+
+RUN_SCRIPT = """
+import sys, tempfile, torch, transformers
+from tests.integrations._hf_data import Pairs
+torch.manual_seed(0)
+cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                              intermediate_size=32, num_labels=2)
+path = tempfile.mkdtemp()
+transformers.BertForSequenceClassification(cfg).to(torch.bfloat16).save_pretrained(path)
+dtype = "auto" if sys.argv[1] == "auto" else torch.float32
+model = transformers.BertForSequenceClassification.from_pretrained(path, dtype=dtype)
+args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=2, report_to=[], fp16=True,
+                                      per_device_train_batch_size=4, save_strategy="no", disable_tqdm=True)
+transformers.Trainer(model=model, args=args, train_dataset=Pairs()).train()
+"""
+
+
+@pytest.mark.parametrize("load", ["auto", "float32"])
+def test_ampdoctor_run_reads_the_trainers_fp16_request(tmp_path, load) -> None:
+    from ampdoctor.integrations.run import run_script
+
+    script = tmp_path / "train.py"
+    script.write_text(RUN_SCRIPT)
+    r = run_script(["python", str(script), load])
+    assert r.summary["script"] == {"status": "completed"}
+    setup = [f for f in r.findings if f.evidence.get("setup")]
+    if load == "float32":
+        assert setup == [] and "low-precision-params" not in r.codes()
+        return
+    assert setup and setup[0] is r.findings[0] and setup[0].severity == "error"
+    assert setup[0].evidence["by"] == "TrainingArguments(fp16=True)" and setup[0].evidence["dtypes"] == {"bfloat16": 25}
