@@ -310,10 +310,14 @@ def _skipped_steps(e: StepClosed, s: DetectorState) -> list[Detection]:
     run = s.skip_run
     scales = [r.scale for r in run if r.scale is not None]
     fell = f"from {scales[0]:g} to {scales[-1] * s.backoff:g} " if scales else ""
+    # from step 0 on, with no update applied yet: maybe GradScaler calibrating a too-large initial scale
+    start = (f"the first {len(run)}" if h.calibrating else str(len(run)))
+    why = ("At the start of fp16 training that is GradScaler calibrating a too-large initial scale, harmless if it "
+           "stops soon; if it goes on, some op" if h.calibrating else "The weights stopped changing. Some op")
     return [Detection(
         "loss-scale-collapse", rec,
-        f"GradScaler skipped {len(run)} consecutive optimizer steps ({run[0].step}..{rec.step}) because the "
-        f"gradients held inf/NaN; the loss scale fell {fell}and the weights stopped changing. Some op produces "
+        f"GradScaler skipped {start} consecutive optimizer steps ({run[0].step}..{rec.step}) because the "
+        f"gradients held inf/NaN{'; the loss scale fell ' + fell.rstrip() if fell else ''}. {why} produces "
         "non-finite gradients at every scale: replay the reproducer (or use on_anomaly='replay') to locate it, "
         "or try bf16 autocast.", run[0].step)]
 
