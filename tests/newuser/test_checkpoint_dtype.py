@@ -149,3 +149,17 @@ def test_ampdoctor_run_reads_the_trainers_fp16_request(tmp_path, load) -> None:
         return
     assert setup and setup[0] is r.findings[0] and setup[0].severity == "error"
     assert setup[0].evidence["by"] == "TrainingArguments(fp16=True)" and setup[0].evidence["dtypes"] == {"bfloat16": 25}
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_true_16_bit_training_asked_for_is_not_a_setup_error(mixed) -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with ampdoctor.watch(model, opt) as w:
+        w.expect_precision("bf16", "Trainer(precision='bf16-mixed')" if mixed else "Trainer(precision='bf16-true')",
+                           mixed=mixed)
+        setup = [f for f in w.report().findings if f.evidence.get("setup")]
+    if mixed:       # bf16 weights under bf16 mixed precision: pure bf16 training, a warning
+        assert [(f.code, f.severity) for f in setup] == [("low-precision-params", "warning")]
+    else:           # "bf16-true": 16-bit weights are what was asked for
+        assert setup == []
