@@ -173,7 +173,8 @@ def is_spike(norm: float, previous: Sequence[float], factor: float, min_history:
 # ---------------------------------------------------------------------------------------------- detectors
 @detector("loss", LossSeen)
 def _loss(e: LossSeen, s: DetectorState) -> list[Detection]:
-    e.record.loss = e.value
+    if e.record.loss is None or math.isfinite(e.record.loss):   # several micro-batch losses: a NaN one stays
+        e.record.loss = e.value
     if math.isfinite(e.value):
         return []
     return [Detection("nonfinite-loss", e.record, f"the loss is {e.value} at step {e.record.step}"

@@ -18,7 +18,7 @@ ACCUM = 2
 BAD_MICRO = 10          # micro-batch 10 = the first of optimizer step 5
 
 
-def train(big: float, watched: bool) -> tuple[list[float], ampdoctor.Report | None]:
+def train(big: float, watched: bool, **options: bool) -> tuple[list[float], ampdoctor.Report | None]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -47,7 +47,7 @@ def train(big: float, watched: bool) -> tuple[list[float], ampdoctor.Report | No
     if not watched:
         loop(None)
         return losses, None
-    with ampdoctor.watch(model, opt, scaler, loss_code=True) as w:
+    with ampdoctor.watch(model, opt, scaler, loss_code=True, **options) as w:
         loop(w)
     return losses, w.report()
 
@@ -69,3 +69,13 @@ def test_healthy_twin_is_clean_and_bitwise_unchanged() -> None:
     watched, r = train(1.0, True)
     assert plain == watched and len(plain) == 16
     assert r is not None and r.ok and "replay" not in r.summary, r.codes()
+
+
+def test_without_replay_the_nan_micro_batch_loss_is_still_a_finding() -> None:
+    """The step's later, finite micro-batch loss used to overwrite the NaN one: the anomaly was logged, but the
+    report was ok with no finding."""
+    _, r = train(1e5, True, locate=False)
+    assert r is not None and not r.ok
+    f = r.findings[0]
+    assert (f.code, f.module, f.phase, f.step) == ("overflow", "", "forward", BAD_MICRO // ACCUM), r.codes()
+    assert f.evidence["loss"] != f.evidence["loss"]          # NaN
