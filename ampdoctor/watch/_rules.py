@@ -418,6 +418,19 @@ def with_unreproduced(findings: Sequence[Finding], info: dict[str, Any] | None) 
     return out
 
 
+def _inf_before_underflow(findings: Sequence[Finding]) -> tuple[Finding, ...]:
+    """A replay leading with an ``underflow`` at an op that also made inf/NaN (an ``exp`` whose small inputs flush
+    and large ones overflow, over several micro-batches) leads with that op's inf/NaN error instead: the watch
+    replayed because of inf/NaN, and that finding explains them."""
+    first = findings[0]
+    if first.code != "underflow":
+        return tuple(findings)
+    where = (first.module, first.op, first.phase)
+    inf = next((f for f in findings if f.code in NONFINITE_CODES and f.severity == "error"
+                and (f.module, f.op, f.phase) == where), None)
+    return tuple(findings) if inf is None else (inf, *(f for f in findings if f is not inf))
+
+
 def merge_replay(own: Sequence[Finding], replay: Report | None) -> list[Finding]:
     """Combine the watch's findings with a replay's.
 
@@ -429,6 +442,7 @@ def merge_replay(own: Sequence[Finding], replay: Report | None) -> list[Finding]
     """
     if replay is None or not replay.findings:
         return order(own)
+    replay = dataclasses.replace(replay, findings=_inf_before_underflow(replay.findings))
     origin = next((f for f in replay.findings if f.code in ORIGIN_CODES and (f.module or f.op)), None)
     explained = any(f.code in ORIGIN_CODES for f in replay.findings)
     keys = {(f.code, f.module, f.op, f.phase) for f in replay.findings}
