@@ -230,8 +230,7 @@ class StepTracker:
     def observe_batch(self, batch: Any) -> None:
         self.poll_scaler()
         self.it.batch, self.it.has_batch = batch, True
-        if len(self.it.batches) <= MAX_STEP_CALLS:     # one more than kept: too many, the replay runs the last
-            self.it.batches.append(batch)
+        self.it.batches += [batch] if len(self.it.batches) <= MAX_STEP_CALLS else []   # one more than kept: too many
         self.it.rng = self.it.first_rng = self.it.rng or rng_state(self.device_type)
         self.handle_queue(can_raise=True)
 
