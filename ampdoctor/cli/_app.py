@@ -15,10 +15,27 @@ HTML_HELP = "write the offline HTML report to this file (needs the html extra: j
 POLICY_HELP = "autocast op policy for *-amp: CUDA's (emulated off-GPU) or the device's own"
 
 
+class LogFormat(logging.Formatter):
+    """``name: message`` for other libraries' records (a script run under ``ampdoctor run`` logs too); ampdoctor's
+    own messages already start with what says where they come from (``ampdoctor.watch: ...``, ``ampdoctor run:``,
+    also for library users whose logging shows no logger name), so they get no second prefix."""
+
+    def __init__(self) -> None:
+        super().__init__("%(name)s: %(message)s")
+        self.own = logging.Formatter("%(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.name == "ampdoctor" or record.name.startswith("ampdoctor."):
+            return self.own.format(record)
+        return super().format(record)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(ampdoctor.__version__, "--version", prog_name="ampdoctor")
 @click.option("-v", "--verbose", is_flag=True, help="log progress to stderr")
 def main(verbose: bool) -> None:
     """Find, explain and fix why mixed-precision PyTorch runs produce inf/NaN or lose accuracy."""
     need("the terminal report")
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(LogFormat())
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler])
