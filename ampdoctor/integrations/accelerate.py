@@ -23,12 +23,13 @@ from ampdoctor.watch import Watch, watch
 
 def watch_accelerator(accelerator: Any, model: Any, optimizer: Any = None, **watch_options: Any) -> Watch:
     """A :class:`~ampdoctor.watch.Watch` over a prepared ``model``/``optimizer`` of ``accelerator``; when the
-    steps do not run in the ``mixed_precision`` asked for, the report's ``precision_note`` says so."""
+    steps do not run in the ``mixed_precision`` asked for, the report's ``precision_note`` says so and the watch's
+    exit logs it (as the HF and Lightning callbacks do at the end of training)."""
     unwrap = getattr(accelerator, "unwrap_model", None)
     inner = unwrap(model) if callable(unwrap) else model
     # the loop's own loss code (loss = loss_fn(model(x), y)) is recorded, so the replay runs it too
     w = watch(inner, optimizer, getattr(accelerator, "scaler", None), **{"loss_code": True, **watch_options})
     mp = str(getattr(accelerator, "mixed_precision", "no"))
     if mp in ("fp16", "bf16"):      # mixed_precision="fp16" on CPU runs in fp32: the report says so
-        w.expect_precision(mp, f"Accelerator(mixed_precision={mp!r})")
+        w.expect_precision(mp, f"Accelerator(mixed_precision={mp!r})", log_note=True)
     return w

@@ -83,6 +83,7 @@ class Watch:
         self._tracker.policy = self._policy
         self._policy.sharded = is_sharded(model)
         self._loss_tap: LossCodeTap | None = None
+        self._log_note = False      # expect_precision(log_note=True): log the precision_note on exit
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> Watch:
@@ -133,6 +134,8 @@ class Watch:
                 self._health.active = False
                 self._exited = True
                 self._sinks.close()
+        if self._log_note:
+            self._log_precision_note()
         if deferred is not None and exc_type is None:
             raise deferred
         return False
@@ -194,16 +197,28 @@ class Watch:
                                          self._health)
             self._policy.loss_code = self._loss_tap.program
 
-    def expect_precision(self, requested: str, by: str, *, mixed: bool = True) -> None:
+    def expect_precision(self, requested: str, by: str, *, mixed: bool = True, log_note: bool = False) -> None:
         """What the user asked ``by`` (a framework: ``"Trainer(fp16=True)"``) to run, ``"fp16"`` or ``"bf16"``;
         a report whose steps ran otherwise says so (``precision_note``), e.g. fp16 on CPU that runs in fp32.
         ``mixed`` (autocast over fp32 weights, not Lightning's ``"16-true"``): 16-bit trainable parameters are
-        reported now, before step 0 (``low-precision-params``, :mod:`ampdoctor.watch._setup`), and logged."""
+        reported now, before step 0 (``low-precision-params``, :mod:`ampdoctor.watch._setup`), and logged.
+        ``log_note``: the watch's exit also logs the ``precision_note`` (for a caller that, unlike the HF and
+        Lightning callbacks, logs no report of its own)."""
         if requested not in ("fp16", "bf16"):
             raise ValueError(f"requested precision must be 'fp16' or 'bf16', got {requested!r}")
         self._policy.requested = (requested, by)
+        self._log_note = log_note
         if mixed:
             self._setup_finding(requested, by)
+
+    def _log_precision_note(self) -> None:
+        try:
+            note = self.report().summary.get("precision_note")
+        except Exception as e:  # noqa: BLE001 - a failure inside the watch never reaches the user's training
+            log.debug("ampdoctor.watch: no precision note (%s: %s)", type(e).__name__, e)
+            return
+        if note:
+            log.warning("ampdoctor.watch: %s", note)
 
     def _setup_finding(self, requested: str, by: str, *, only_fp16: bool = False) -> None:
         """Judge the trainable parameters' dtypes against mixed precision now, before step 0, and log it."""

@@ -7,6 +7,8 @@ GradScaler); Lightning ``precision="16-mixed"`` runs bf16 autocast instead. A re
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn as nn
@@ -46,9 +48,10 @@ def test_hf_trainer_fp16_on_cpu_runs_fp32_and_the_report_says_so(tmp_path, flags
 
 
 @pytest.mark.parametrize("mixed, noted", [("fp16", True), ("no", False)])
-def test_accelerate_fp16_on_cpu_runs_fp32_and_the_report_says_so(mixed, noted) -> None:
+def test_accelerate_fp16_on_cpu_runs_fp32_and_the_report_says_so(mixed, noted, caplog) -> None:
     from accelerate.state import AcceleratorState
 
+    caplog.set_level(logging.WARNING, logger="ampdoctor")
     AcceleratorState._reset_state(True)        # a Trainer run before fixed the process-wide state: start afresh
     acc = accelerate.Accelerator(cpu=True, mixed_precision=mixed)
     torch.manual_seed(0)
@@ -68,6 +71,9 @@ def test_accelerate_fp16_on_cpu_runs_fp32_and_the_report_says_so(mixed, noted) -
         assert r.precision is None
         assert "Accelerator(mixed_precision='fp16') asked for fp16, but the steps ran in fp32" in r.summary[
             "precision_note"]
+    # logged once when the watch exits, as the HF and Lightning callbacks log it at the end of training
+    logged = [rec.getMessage() for rec in caplog.records if "asked for" in rec.getMessage()]
+    assert logged == ([f"ampdoctor.watch: {r.summary['precision_note']}"] if noted else [])
 
 
 class _Module(L.LightningModule):
