@@ -24,11 +24,12 @@ from ampdoctor.trace import DTypeInfo, Kind, dtype_info, ops_with
 EMULATED_FLUSH_WARNING = 0.1
 #: the tensor roles each pass quantises, in the order a finding lists them
 PASS_ROLES: dict[str, tuple[str, ...]] = {"forward": ("input", "weight"), "backward": ("grad_output",)}
-_SEVERITY = {"warning": 0, "info": 1}
+_SEVERITY = {"error": -1, "warning": 0, "info": 1}
 #: the numbers ``evidence["roles"][role]`` keeps of each role (those it has)
 ROLE_KEYS: tuple[str, ...] = ("severity", "format", "saturated", "numel", "underflowed", "nonzero", "flushed_fraction",
                               "amax", "scale", "amax_history", "first_saturated", "clip_relative", "clip_error_share",
-                              "median_abs", "amax_over_median", "median_bits", "format_bits", "zero_amax_tensors")
+                              "median_abs", "amax_over_median", "median_bits", "format_bits", "zero_amax_tensors",
+                              "inf_scale_tensors")
 
 
 def _format(name: str) -> DTypeInfo:
@@ -107,7 +108,7 @@ class RoleLoss:
     """What one tensor role of one layer lost over the run: its sentences, numbers and verdicts."""
 
     role: str
-    severity: str  # "warning" or "info"
+    severity: str  # "error" (a scale of inf: NaN), "warning" or "info"
     parts: tuple[str, ...]
     evidence: dict[str, Any]
     step: int  # the first step it saturates (0 without saturation)
@@ -153,12 +154,17 @@ def role_loss(role: str, ts: list[Any], recipe: Any) -> RoleLoss | None:
     ev.update(flush_ev)
     ev["flushed_fraction"] = ev["underflowed"] / ev["nonzero"] if ev["nonzero"] else 0.0
     parts = [p for p in (sat_text, flush_text) if p]
-    if zero_amax:
+    inf_scale = sum(1 for t in ts if not math.isfinite(t.scale))  # amax 0 and no floor: fmax / 0
+    ev["inf_scale_tensors"] = inf_scale
+    if inf_scale:
+        parts.append(f"{inf_scale} tensor(s) got scale {_format(worst.format).max:g} / amax 0 = inf (the recipe has "
+                     f"no amax floor: amax_floor={recipe.amax_floor:g}), and 0 * inf = NaN in the quantised tensor")
+    elif zero_amax:
         parts.append(f"{zero_amax} tensor(s) have amax 0; the scale was floored at {recipe.amax_floor:g} instead of "
                      "becoming inf/NaN")
     if not parts:
         return None
-    severity = "warning" if sat_bad or flush_bad else "info"
+    severity = "error" if inf_scale else "warning" if sat_bad or flush_bad else "info"
     ev["severity"] = severity
     return RoleLoss(role, severity, tuple(parts), ev, first_step, tuple(ts), sat_bad, flush_bad)
 
@@ -194,6 +200,11 @@ def _fixes(module: str, losses: list[RoleLoss], recipe: Any) -> tuple[FixProposa
     fixes = (FixProposal(f"keep {module or '<root>'} out of fp8 (TE: fp8_autocast(enabled=False) around it)", "",
                          id="keep_fp32", params={"modules": [module]}),
              *_recipe_fixes(recipe, saturated))
+    if any(x.evidence.get("inf_scale_tensors") for x in bad):
+        fields = {"format": recipe.format, "scaling": recipe.scaling, "amax_history_len": recipe.amax_history_len,
+                  "margin": recipe.margin, "amax_floor": 1e-12}
+        fixes = (FixProposal("floor amax in the fp8 recipe (1e-12, as torchao; TE keeps the previous scale)",
+                             "Fp8Recipe(..., amax_floor=1e-12)", id="fp8_recipe", params=fields),) + fixes
     if any(x.outlier_bulk for x in bad):
         fixes += (FixProposal("scale per channel / per block instead of per tensor, or smooth the outlier "
                               "channel into the weights (SmoothQuant)", ""),)

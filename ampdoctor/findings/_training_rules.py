@@ -305,7 +305,9 @@ def fp8_scale(ctx: Context) -> list[Candidate]:
     verified fix keeps that layer out of fp8 (``keep_fp32``). One emulated finding per layer and pass: the roles that
     lose precision in it (``input`` and ``weight`` forward, ``grad_output`` backward) are listed in ``roles_losing``
     and the title, each with its own numbers in ``roles[role]`` (``saturated``, ``numel``, ``flushed_fraction``,
-    ``amax``, ``scale``, ``first_saturated``, ``severity``); the top-level evidence is the first worst role's."""
+    ``amax``, ``scale``, ``first_saturated``, ``severity``); the top-level evidence is the first worst role's. A
+    recipe without an amax floor (``amax_floor=0``) that meets an all-zero tensor gets scale inf and NaN: an error
+    at the layer (``inf_scale_tensors``), fixed by the recipe with ``amax_floor=1e-12`` (``fp8_recipe``)."""
     out: list[Candidate] = emulated_candidates(ctx, RUN_FP8_SCALES)  # ampdoctor's emulated fp8 layers
     out += clip_candidates(ctx, "fp8-scale")  # the user's own fp8 casts
     recs = ctx.records

@@ -30,11 +30,11 @@ Statistics (:class:`Fp8TensorStats`, one per call and role) are reduced on the d
 scale came from, saturated count (``|x * scale|`` beyond what rounds to fmax: > 464 for e4m3, >= 61440 for e5m2),
 underflow count (nonzero elements that quantise to 0), nonzero count, numel, the median |x| of the nonzero values
 (where the bulk sits when an outlier sets amax), the squared quantisation error and its part from saturated
-elements. :meth:`Fp8Autocast.stats` reads them back with a single host sync. Calls are attributed to the
-innermost module of ``model`` running the ``F.linear`` (forward pre/post hooks, removed on exit, also on
-exceptions); ``call`` numbers the ``F.linear`` calls within one forward of that module (0 for an ``nn.Linear``).
-:func:`fp8_disabled` runs a block's linears unquantised (TE's nested ``fp8_autocast(enabled=False)``: layers kept
-in high precision).
+elements. :meth:`Fp8Autocast.stats` reads them back with a single host sync. A trace sees none of the quantiser's
+ops. Calls are attributed to the innermost module of ``model`` running the ``F.linear`` (forward pre/post hooks,
+removed on exit, also on exceptions); ``call`` numbers the ``F.linear`` calls within one forward of that module (0
+for an ``nn.Linear``). :func:`fp8_disabled` runs a block's linears unquantised (TE's nested
+``fp8_autocast(enabled=False)``: layers kept in high precision).
 
 Measured on torch 2.13: casting to ``torch.float8_e4m3fn`` saturates (1e6 and inf become 448, NaN stays NaN);
 casting to ``torch.float8_e5m2`` does not (1e6 becomes inf) - hence the explicit clamp.
@@ -54,6 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from ampdoctor.trace import untraced
 
 log = logging.getLogger(__name__)
 
@@ -243,36 +245,43 @@ class _Recorder:
 
     @torch.no_grad()
     def quantize(self, x: torch.Tensor, module: str, call: int, role: str) -> torch.Tensor:
-        """Quantise-dequantise ``x`` for ``role``; returns float32; records statistics on the device."""
+        """Quantise-dequantise ``x`` for ``role`` (float32), statistics on the device; ``untraced``: a NaN made here
+        must not read as the user's first NaN, at an op the user never wrote (findings read the statistics)."""
         recipe = self.recipe
         fmt = _BY_NAME[recipe.format_of(role)]
         state = self.states.setdefault((module, call, role), _ScaleState())
-        xf = x.detach().to(torch.float32)
-        amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
-        if recipe.scaling == "delayed" and state.history is not None:
-            amax_used = state.history[: min(state.steps, recipe.amax_history_len)].amax()
-        else:
-            amax_used = amax
-        scale = fmt.max / torch.clamp(amax_used, min=recipe.amax_floor) / (2.0 ** recipe.margin)
-        xs = xf * scale
-        mag = xs.abs()
+        with untraced():
+            xf = x.detach().to(torch.float32)
+            amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
+            if recipe.scaling == "delayed" and state.history is not None:
+                amax_used = state.history[: min(state.steps, recipe.amax_history_len)].amax()
+            else:
+                amax_used = amax
+            scale = fmt.max / torch.clamp(amax_used, min=recipe.amax_floor) / (2.0 ** recipe.margin)
+            xs = xf * scale
+            q = xs.clamp(-fmt.max, fmt.max).to(fmt.dtype).to(torch.float32)
+            out = q / scale
+            self._record(xf, xs, q, scale, amax, amax_used, fmt, state)
+            self.meta.append((module, call, role, fmt.name, state.steps, xf.numel()))
+            state.steps += 1
+        return out
+
+    def _record(self, xf: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
+                amax_used: torch.Tensor, fmt: _Fp8Format, state: _ScaleState) -> None:
+        mag = xs.abs()  # one quantisation's statistics row (on the device) and the amax history update
         saturated = (mag >= fmt.round_limit) if fmt.limit_saturates else (mag > fmt.round_limit)
-        q = xs.clamp(-fmt.max, fmt.max).to(fmt.dtype).to(torch.float32)
         nonzero = xf != 0
         underflowed = (q == 0) & nonzero
         median = _median_nonzero(xf, nonzero)
         err_sq = (q - xs).square() / scale.square()
-        if recipe.scaling == "delayed":
+        if self.recipe.scaling == "delayed":
             if state.history is None:
-                state.history = xf.new_zeros(recipe.amax_history_len)
-            state.history[state.steps % recipe.amax_history_len] = amax
+                state.history = xf.new_zeros(self.recipe.amax_history_len)
+            state.history[state.steps % self.recipe.amax_history_len] = amax
         self.rows.append(torch.stack([amax, scale, amax_used, saturated.sum().to(torch.float32),
                                       underflowed.sum().to(torch.float32), nonzero.sum().to(torch.float32),
                                       median, err_sq.sum(), (err_sq * saturated).sum()])
                          .to(torch.float64))
-        self.meta.append((module, call, role, fmt.name, state.steps, xf.numel()))
-        state.steps += 1
-        return q / scale
 
     def stats(self) -> Fp8Stats:
         if not self.rows:
@@ -289,9 +298,7 @@ class _Recorder:
 
 def _median_nonzero(xf: torch.Tensor, nonzero: torch.Tensor) -> torch.Tensor:
     """The (lower) median |x| of the nonzero values, 0 when all are zero: the sorted |x| hold the zeros first, so the
-    median sits ``zeros + (nonzero - 1) // 2`` in. A tensor index (no boolean indexing, no host sync), and no NaN or
-    inf placeholder either: an emulated run's trace sees these ops, and a NaN made here would read as the run's
-    first NaN."""
+    median sits ``zeros + (nonzero - 1) // 2`` in (a tensor index: no boolean indexing, no host sync)."""
     if not xf.numel():
         return xf.new_zeros(())
     flat = xf.abs().flatten().sort().values

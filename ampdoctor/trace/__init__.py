@@ -89,6 +89,7 @@ __all__ = [
     "frame_boundary",
     "user_frame",
     "trace",
+    "untraced",
     "Trace",
     "TraceResult",
     "OpRecord",
@@ -330,6 +331,23 @@ class _paused:
             self.no_tf.__exit__(None, None, None)
         finally:
             self.mode.enabled = self.prev
+
+
+class untraced:
+    """A library's own bookkeeping inside whatever traced step is running in this thread (the fp8 emulation's amax,
+    scale and statistics): every trace's recording mode on the dispatch stack pauses, and torch functions are off,
+    as for the trace's own work. Does nothing outside a trace; nests."""
+
+    def __enter__(self) -> None:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        self.inner = [_paused(m) for m in _get_current_dispatch_mode_stack() if isinstance(m, RecordingMode)]
+        for p in self.inner:
+            p.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        for p in reversed(self.inner):
+            p.__exit__(*exc)
 
 
 def trace(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, full: bool = False,

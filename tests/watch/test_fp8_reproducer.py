@@ -57,8 +57,10 @@ def test_the_reproducer_records_the_recipe_and_the_replay_runs_it(tmp_path):
                                                             "amax_history_len": 1024, "margin": 0, "amax_floor": 0.0}
     report = replay(files[0], model_factory=_net)
     assert report.precision == "fp8" and not report.ok
-    assert (report.findings[0].code, report.findings[0].module, report.findings[0].phase) == ("fp8-scale", "1",
-                                                                                              "forward")
+    top = report.findings[0]  # the user's layer's GEMM, not the quantiser's reciprocal (its bookkeeping is untraced)
+    assert (top.code, top.severity.value, top.module, top.op, top.phase) == ("fp8-scale", "error", "1",
+                                                                            "aten.linear.default", "forward")
+    assert not any(f.op.startswith("aten.reciprocal") for f in report.findings)
     layer = next(f for f in report.findings if f.code == "fp8-scale" and "roles" in f.evidence)  # per-layer stats
     assert (layer.module, layer.op, layer.phase) == ("1", "aten.linear.default", "forward")
     assert layer.evidence["roles"]["weight"]["zero_amax_tensors"] >= 1 and layer.evidence["amax_floor"] == 0.0
