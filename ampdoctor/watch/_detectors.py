@@ -39,7 +39,8 @@ class Detection:
 class LossSeen:
     record: StepRecord
     value: float
-    late: bool          # read after the step's optimizer update
+    late: bool          # read after the step's optimizer update (or after GradScaler skipped it)
+    micro: bool = False     # one of several losses of the step (a micro-batch's)
 
 
 @dataclass(frozen=True)
@@ -177,9 +178,18 @@ def _loss(e: LossSeen, s: DetectorState) -> list[Detection]:
         e.record.loss = e.value
     if math.isfinite(e.value):
         return []
-    return [Detection("nonfinite-loss", e.record, f"the loss is {e.value} at step {e.record.step}"
-                      + (" (seen after its optimizer step)" if e.late else "")
+    return [Detection("nonfinite-loss", e.record, f"the loss is {e.value} at step {e.record.step}{_when(e)}"
                       + "; replay the reproducer (or use on_anomaly='replay') to find the op where it starts.")]
+
+
+def _when(e: LossSeen) -> str:
+    """What the data says about the loss: a micro-batch's, a step GradScaler skipped, read after the update."""
+    what = ["a micro-batch loss"] if e.micro else []
+    if e.record.skipped:
+        what.append("GradScaler skipped the step's update")
+    elif e.late:
+        what.append("seen after its optimizer step")
+    return f" ({'; '.join(what)})" if what else ""
 
 
 @detector("coverage", GradsSeen)

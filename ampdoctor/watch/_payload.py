@@ -57,6 +57,7 @@ class Iteration:
     has_batch: bool = False
     rng: dict[str, Any] | None = None
     loss: torch.Tensor | None = None
+    micro: bool = False     # more than one loss given in this step: each is a micro-batch's
 
     calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
     first_rng: dict[str, Any] | None = None

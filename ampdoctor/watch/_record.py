@@ -65,6 +65,7 @@ class Pending:
 @dataclass(frozen=True)
 class LossValue(Pending):
     record: StepRecord
+    micro: bool = False     # one of several losses given in the step (micro-batches under gradient accumulation)
 
 
 @dataclass(frozen=True)

@@ -317,8 +317,8 @@ class StepTracker:
             t = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
             if not late:
                 if it.loss is not None:     # an earlier loss of this open step is checked, not overwritten
-                    self.readback.add(LossValue(it.loss.float().sum().reshape(1), it.record))
-                it.loss = t
+                    self.readback.add(LossValue(it.loss.float().sum().reshape(1), it.record, micro=True))
+                it.loss, it.micro = t, it.micro or it.loss is not None
             else:
                 self.readback.add(LossValue(t.float().sum().reshape(1), target.record))
         if batch is not None:
@@ -377,7 +377,7 @@ class StepTracker:
             self.readback.add(GradNorms(torch.stack([n.to(dev) for n in norms]), rec,
                                         tuple(names + [n for n, _ in sparse])))
         if it.loss is not None:
-            self.readback.add(LossValue(it.loss.float().sum().reshape(1), rec))
+            self.readback.add(LossValue(it.loss.float().sum().reshape(1), rec, micro=it.micro))
             it.loss = None
         if self.scaler is not None and self.scale_snapshot is not None:
             self.readback.add(ScaleValue(self.scale_snapshot, rec))
@@ -405,7 +405,7 @@ class StepTracker:
         elif not scale_known and self.scale_snapshot is not None:
             self.readback.add(ScaleValue(self.scale_snapshot, rec))
         if it.loss is not None:
-            self.readback.add(LossValue(it.loss.float().sum().reshape(1), rec))
+            self.readback.add(LossValue(it.loss.float().sum().reshape(1), rec, micro=it.micro))
             it.loss = None
         self.records.append(rec)
         self.n_steps += 1
@@ -458,7 +458,7 @@ class StepTracker:
             rec = value.record
             pre = current is not None and current.record is rec
             self.sinks.scalar("loss", v[0], rec.step)
-            self._detect(LossSeen(rec, v[0], late=not pre), self._iteration_of(rec, current), pre_step=pre)
+            self._detect(LossSeen(rec, v[0], not pre, value.micro), self._iteration_of(rec, current), pre_step=pre)
         elif isinstance(value, ScaleValue):
             self.sinks.scalar("loss_scale", v[0], value.record.step)
             self._detect(ScaleSeen(value.record, v[0]), None, pre_step=False)
