@@ -10,15 +10,21 @@ the first step wherever a scaler is enabled, i.e. on a GPU). Judged from the par
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 
 import torch
 
 from ampdoctor.findings import Finding, FixProposal
+from ampdoctor.trace import HALF_DTYPES, dtype_info, dtype_name
 
-_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-_ULP = {"float16": "2**-10", "bfloat16": "2**-7"}
+
+def _ulp_of_one(name: str) -> str:
+    """ulp(1.0) of a 16-bit format as a power of two (``"2**-10"`` for float16), from the dtype registry."""
+    info = dtype_info(name)
+    assert info is not None
+    return f"2**{round(math.log2(2 * info.unit_roundoff))}"
 
 
 def mixed_setup_finding(requested: str, by: str, params: Sequence[tuple[str, torch.Tensor]]) -> Finding | None:
@@ -28,7 +34,7 @@ def mixed_setup_finding(requested: str, by: str, params: Sequence[tuple[str, tor
     An error when the parameters are float16 (a GradScaler refuses their gradients) or not the format asked for
     (bf16 weights under fp16 autocast); a warning for bf16 weights under bf16 mixed precision (pure bf16 training,
     often meant: the measured lost-update findings then say how much it costs)."""
-    low = [(n, _NAMES[p.dtype]) for n, p in params if p.dtype in _NAMES]
+    low = [(n, dtype_name(p.dtype)) for n, p in params if p.dtype in HALF_DTYPES]
     if not low:
         return None
     counts = Counter(d for _, d in low)
@@ -46,7 +52,7 @@ def mixed_setup_finding(requested: str, by: str, params: Sequence[tuple[str, tor
             f"under autocast. {len(low)} of {len(params)} trainable parameters are already 16-bit ({held}): a "
             "checkpoint saved in 16 bits and loaded with dtype='auto' (or a 16-bit dtype), or a .half()/.to(...) "
             "before training. The optimizer then updates them in place with no fp32 master copy: an update below "
-            f"half an ulp of the weight is lost ({main} ulp(1.0) = {_ULP[main]}).{scaler}{mismatch}")
+            f"half an ulp of the weight is lost ({main} ulp(1.0) = {_ulp_of_one(main)}).{scaler}{mismatch}")
     fixes = [FixProposal("load or keep the model in float32; mixed precision casts per op itself",
                          "model = AutoModel.from_pretrained(path, dtype=torch.float32)   # not dtype='auto'\n"
                          "# or, before building the Trainer / Accelerator / LightningModule: model = model.float()")]
