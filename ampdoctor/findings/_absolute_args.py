@@ -50,11 +50,10 @@ from ampdoctor.findings._common import (
 from ampdoctor.findings._context import Context
 from ampdoctor.findings._registry import Candidate
 from ampdoctor.findings._types import Finding, FixProposal
-from ampdoctor.trace import Kind, OpRecord, Reduces, op_info, ops_with
+from ampdoctor.trace import Kind, OpRecord, adds_an_offset, ops_with
 
 PERIODIC = ops_with(Kind.PERIODIC)
 SOFTMAX = ops_with(Kind.SOFTMAX)
-CANCELLING = ops_with(Kind.CANCELLING)
 #: a sin/cos argument off by this many radians in some sampled element encodes another value (about 29 degrees)
 PHASE_LOST = 0.5
 #: a softmax argument off by this much in some sampled element moves that probability by e**0.25 = 1.28x
@@ -125,13 +124,8 @@ def _origin(ctx: Context, arg: OpRecord) -> tuple[OpRecord, float] | None:
 
 
 def _adds_an_offset(x: OpRecord) -> bool:
-    """``x`` holds or adds a value as it is (a cast, a batch tensor, an add/sub, a GEMM with a bias input): an
-    offset it rounds is common to the logits. A product (``logit_scale * cos``) scales the differences with the
-    values, so rounding it costs the differences no more than rounding its factors did."""
-    if x.kind == "batch" or op_base(x.op) in CASTS | CANCELLING:
-        return True
-    info = op_info(op_base(x.op))
-    return info is not None and info.reduces is Reduces.INNER_1
+    """``x`` is a batch tensor or adds an offset as it is (the op registry's :func:`adds_an_offset`)."""
+    return x.kind == "batch" or adds_an_offset(x.op)
 
 
 def _sentinel_sized(ctx: Context, o: OpRecord) -> bool:

@@ -23,6 +23,7 @@ from ampdoctor.trace import (
     dtype_info,
     dtype_limits,
     dtype_name,
+    feeders,
     is_nonfinite,
     op_base,
     ops_with,
@@ -164,26 +165,6 @@ def group_by_owner(names: Iterable[str], owners: dict[str, str]) -> dict[str, li
     out: dict[str, list[str]] = {}
     for n in names:
         out.setdefault(owners.get(n, n.rpartition(".")[0]), []).append(n)
-    return out
-
-
-def feeders(records: list[OpRecord], record: OpRecord, depth: int, follow: Any = None) -> list[OpRecord]:
-    """Records feeding ``record`` within ``depth`` hops, breadth first, each once. With ``follow``, only records for
-    which ``follow(x)`` is true are returned and walked through."""
-    out: list[OpRecord] = []
-    frontier, seen = list(record.inputs), set()
-    for _ in range(depth):
-        nxt: list[int] = []
-        for i in frontier:
-            if i < 0 or i in seen:
-                continue
-            seen.add(i)
-            x = records[i]
-            if follow is not None and not follow(x):
-                continue
-            out.append(x)
-            nxt.extend(x.inputs)
-        frontier = nxt
     return out
 
 

@@ -51,7 +51,7 @@ from ampdoctor.trace._dtypes import (
     dtype_name,
     unit_roundoff,
 )
-from ampdoctor.trace._lineage import Lineage, analyse_lineage, has_nan, is_nonfinite
+from ampdoctor.trace._lineage import Lineage, analyse_lineage, feeders, has_nan, is_nonfinite
 from ampdoctor.trace._mode import OpRecord, RecordingMode, _key
 from ampdoctor.trace._modules import ModuleAttribution, frame_boundary, iter_tensors, user_frame
 from ampdoctor.trace._ops import (
@@ -65,6 +65,7 @@ from ampdoctor.trace._ops import (
     Reduces,
     Role,
     Upcast,
+    adds_an_offset,
     family_ops,
     literal_values,
     op_base,
@@ -136,6 +137,8 @@ __all__ = [
     "is_nonfinite",
     "has_nan",
     "analyse_lineage",
+    "feeders",
+    "adds_an_offset",
     "WriteRecord",
     "WRITE_FIELDS",
     "Request",

@@ -9,6 +9,7 @@ a record with a non-finite input and a finite output *absorbs* them (softmax of 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ampdoctor.trace._mode import OpRecord
 
@@ -21,6 +22,26 @@ def is_nonfinite(r: OpRecord) -> bool:
         return (s["n_nan"] + s["n_posinf"] + s["n_neginf"]) > 0
     mn, mx = s["min"], s["max"]
     return not (-float("inf") < mn <= mx < float("inf"))
+
+
+def feeders(records: list[OpRecord], record: OpRecord, depth: int, follow: Any = None) -> list[OpRecord]:
+    """Records feeding ``record`` within ``depth`` hops, breadth first, each once. With ``follow``, only records for
+    which ``follow(x)`` is true are returned and walked through."""
+    out: list[OpRecord] = []
+    frontier, seen = list(record.inputs), set()
+    for _ in range(depth):
+        nxt: list[int] = []
+        for i in frontier:
+            if i < 0 or i in seen:
+                continue
+            seen.add(i)
+            x = records[i]
+            if follow is not None and not follow(x):
+                continue
+            out.append(x)
+            nxt.extend(x.inputs)
+        frontier = nxt
+    return out
 
 
 def has_nan(r: OpRecord) -> bool:

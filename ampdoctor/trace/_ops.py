@@ -26,8 +26,9 @@ import enum
 from dataclasses import dataclass, field
 from functools import cache
 
-__all__ = ["Bound", "DUNDERS", "Family", "Kind", "Literal", "OpInfo", "Reduces", "Role", "Upcast", "declare",
-           "family_ops", "literal_values", "op_base", "op_info", "ops_with", "ops_with_literal", "torch_names", "OPS"]
+__all__ = ["Bound", "DUNDERS", "Family", "Kind", "Literal", "OpInfo", "Reduces", "Role", "Upcast", "adds_an_offset",
+           "declare", "family_ops", "literal_values", "op_base", "op_info", "ops_with", "ops_with_literal",
+           "torch_names", "OPS"]
 
 
 class Kind(enum.Enum):
@@ -175,6 +176,16 @@ def op_info(name: str) -> OpInfo:
 def ops_with(kind: Kind) -> frozenset[str]:
     """The base names of every op of ``kind``."""
     return frozenset(n for n, i in OPS.items() if kind in i.kinds)
+
+
+def adds_an_offset(op: str) -> bool:
+    """An op whose output holds or adds a value as it is -- a cast, an add/sub, a GEMM with a bias input -- so that
+    an offset it rounds is common to the values a softmax compares. A product (``logit_scale * cos``, a GEMM without
+    a bias) scales the differences with the values instead."""
+    base = op_base(op)
+    if base in ops_with(Kind.CAST) | ops_with(Kind.CANCELLING):
+        return True
+    return op_info(base).reduces is Reduces.INNER_1
 
 
 def literal_values(name: str, args: tuple, kwargs: dict,
