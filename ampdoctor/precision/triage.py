@@ -21,15 +21,17 @@ decides, from mechanisms, whether that diagnosis can find anything that changes 
    argument that is 0 or ±1 in the format but not in float32 (constant-out-of-range); integers (every sampled
    element, as the integer-values rule reads them) or a tensor made from no floating input (positions, ids cast to
    float) beyond the integers the format holds exactly; a decision (argmax, topk, argmin) whose indices select
-   later values (an MoE router, a codebook lookup: the precision-loss rule compares its choices); a sin/cos or
-   softmax whose argument is large enough that the format's rounding at its magnitude can move it by a phase or a
-   logit difference (a timestep before its sinusoid, an ALiBi bias); trainable parameters with no gradient or
-   outside the optimizer.
+   later values (an MoE router, a codebook lookup: the precision-loss rule compares its choices); trainable
+   parameters with no gradient or outside the optimizer.
 3. :func:`guard_step` -- the target step itself, on copies, under the cheap trace tier (one ``aminmax`` per op):
    it raised (a dtype mismatch under autocast, a literal that does not fit); any op output inf/NaN (also one
    absorbed downstream) of a kind (NaN, +inf, -inf) that its float32 twin (same phase, module, op and occurrence)
    does not hold; the loss (or output |max|) off by more than 1% from float32; a parameter whose gradient
-   is exactly zero in the target and not in float32. These are the error conditions of the rules that compare
+   is exactly zero in the target and not in float32; a sin/cos or softmax whose float32 argument is large enough
+   that the format's rounding at its magnitude can move it by a phase or a logit difference (a timestep before its
+   sinusoid, an ALiBi bias), when the target held a value on its way in low precision that could be that rounding
+   (for a softmax: one that adds an offset -- a cast, an add, a GEMM's bias -- not a product such as an LM head
+   without a bias, whose rounding scales with the differences). These are the error conditions of the rules that compare
    the runs: saturation (dead gradients, or a pole's inf), underflow (dead gradients, the loss, an inf/NaN it feeds;
    flushed values without such a consequence are a warning), overflow and nan-from-inf (an inf, also one a clamp
    catches: the clamp's input holds it), precision-loss (a NaN from finite inputs, a loss off by 5%).
@@ -55,8 +57,10 @@ from ampdoctor.trace import (
     Kind,
     Trace,
     TraceResult,
+    adds_an_offset,
     dtype_info,
     dtype_limits,
+    feeders,
     op_base,
     ops_with,
     unit_roundoff,
@@ -78,6 +82,10 @@ MAX_REASONS = 8
 ABS_ARG_LOST = {"periodic": 0.5, "softmax": 0.25}
 ABS_ARG_SLACK = 4.0
 ABS_ARG_SENTINEL = 4096.0
+ABS_ARG_DEPTH = 8
+#: ops whose output holds (a subset of) their input's values: no rounding site of their own
+_ALIAS = ops_with(Kind.VIEW) | ops_with(Kind.COPY) | ops_with(Kind.JOIN)
+_SAME_DTYPE = ops_with(Kind.VIEW) | ops_with(Kind.COPY)
 
 
 @dataclass(frozen=True)
@@ -189,7 +197,6 @@ def reference_reasons(ref: RunResult, precision: str) -> list[str]:
         if len(out) >= MAX_REASONS:
             break
     out += _routing_reasons(ref.trace)
-    out += _argument_reasons(ref.trace, dtype, fmt)
     cov = ref.coverage[0] if ref.coverage and not ref.forward_only else []
     unused = [p.name for p in cov if p.grad_none or not p.in_optimizer]
     if unused:
@@ -228,23 +235,76 @@ def _routing_reasons(trace: TraceResult) -> list[str]:
     return []
 
 
-def _argument_reasons(trace: TraceResult, dtype: torch.dtype, fmt: str) -> list[str]:
+def _argument_reasons(ref: TraceResult, target: list[Any], dtype: torch.dtype, fmt: str) -> list[str]:
     """A sin/cos or (log-)softmax whose float32 argument is large enough that rounding at its magnitude can move it
-    by what the function reads (a phase, a logit difference): the precision-loss rule compares its elements, the
-    cheap guard step does not (a timestep cast before its sinusoid, an ALiBi bias, drifted logits)."""
+    by what the function reads (a phase, a logit difference), and whose argument passed through a value the target
+    step held in ``dtype`` that could be the rounding: the precision-loss rule compares their elements, the cheap
+    guard step does not (a timestep cast before its sinusoid, an ALiBi bias, drifted logits)."""
     kinds = {"periodic": ops_with(Kind.PERIODIC), "softmax": ops_with(Kind.SOFTMAX)}
     u = unit_roundoff(dtype)
-    for r in trace.records:
+    low = _low_in_target(ref.records, target)
+    for r in ref.records:
         if r.phase != "forward" or not r.inputs or r.inputs[0] < 0:
             continue
         kind = next((k for k, ops in kinds.items() if op_base(r.op) in ops), None)
-        a = trace.records[r.inputs[0]].stats.get("absmax", 0.0) if kind is not None else 0.0
-        if kind == "softmax" and a >= ABS_ARG_SENTINEL:
+        a = ref.records[r.inputs[0]].stats.get("absmax", 0.0) if kind is not None else 0.0
+        if kind is None or (kind == "softmax" and a >= ABS_ARG_SENTINEL):
             continue  # a mask sentinel: its rounding is moot (the rule leaves it out too)
-        if kind is not None and a * u * ABS_ARG_SLACK >= ABS_ARG_LOST[kind]:
+        if a * u * ABS_ARG_SLACK >= ABS_ARG_LOST[kind] and _rounding_site(ref.records, r.inputs[0], low, kind, u):
             return [f"{r.op} in {r.module or '<root>'} reads the absolute error of an argument of |max| {a:.4g}: "
                     f"{fmt}'s rounding there (u = {u:.3g}) can move it by {ABS_ARG_LOST[kind]:g}"]
     return []
+
+
+def _low_in_target(ref: list[Any], target: list[Any]) -> set[int]:
+    """Indices of float32 records that the target step held in a low precision: the record itself is low, or its
+    twin (same phase, module, op and occurrence) in the cheap target trace is."""
+    twins: dict[tuple[str, str, str, int], Any] = {}
+    seen: dict[tuple[str, str, str], int] = {}
+    for t in target:
+        if t.kind == "op" and t.op:
+            key = (t.phase, t.module, op_base(t.op))
+            n = seen[key] = seen.get(key, -1) + 1
+            twins[(*key, n)] = t.dtype
+    seen.clear()
+    out: set[int] = set()
+    for r in ref:
+        dt = r.dtype
+        if r.kind == "op" and r.op:
+            key = (r.phase, r.module, op_base(r.op))
+            n = seen[key] = seen.get(key, -1) + 1
+            dt = twins.get((*key, n), dt)
+            if op_base(r.op) in _SAME_DTYPE and r.inputs and r.inputs[0] >= 0:  # a view holds its input's values:
+                if r.inputs[0] in out:  # its occurrences shift with autocast's extra ones, its input's dtype does not
+                    out.add(r.index)
+                continue
+        info = dtype_info(dt) if dt is not None else None
+        if info is not None and info.low_precision:
+            out.add(r.index)
+    return out
+
+
+def _rounding_site(records: list[Any], arg: int, low: set[int], kind: str, u: float) -> bool:
+    """Whether the precision-loss rule could find a rounding site for this argument: a value held low in the target
+    among the argument and its feeders (:data:`ABS_ARG_DEPTH` hops) or an input the target cast into low precision
+    for it (autocast), that for a softmax adds an offset (a product scales the differences with the values). When the
+    argument itself was low, the rule's site carries at least half the argument's error, ``ABS_ARG_LOST / 2``, within
+    ``ABS_ARG_SLACK`` times its own rounding: smaller values cannot be it."""
+    x0 = records[arg]
+    need = ABS_ARG_LOST[kind] / (2 * ABS_ARG_SLACK * u) if arg in low else 0.0
+    for x in [x0, *feeders(records, x0, ABS_ARG_DEPTH)]:
+        if x.kind not in ("op", "batch") or x.index not in low or op_base(x.op or "") in _ALIAS:
+            continue
+        if (kind == "periodic" or x.kind == "batch" or adds_an_offset(x.op)) and _absmax(x) >= need:
+            return True
+        casts = [records[i] for i in x.inputs if i >= 0 and i not in low and records[i].stats]
+        if any(_absmax(c) >= need for c in casts):  # an input autocast cast to low for x: a cast adds no offset
+            return True
+    return False
+
+
+def _absmax(r: Any) -> float:
+    return float(r.stats.get("absmax", 0.0))
 
 
 def _integers(sample: Any, exact: float) -> bool:
@@ -321,6 +381,8 @@ def guard_step(spec: StepSpec, ref: RunResult, *, policy: str = "cuda") -> tuple
     if loss is None and t_out is not None and r_out is not None and _rel(t_out, r_out) > LOSS_REL:
         out.append(f"the {spec.precision} output |max| {t_out:.6g} is {_rel(t_out, r_out):.1%} off float32's")
     out += _zeroed(guard.zero, ref)
+    dtype = QUICK[str(spec.precision)]
+    out += _argument_reasons(ref.trace, res.records, dtype, "fp16" if dtype == torch.float16 else "bf16")
     return out, {"loss": loss, "reference_loss": ref_loss, "ops": len(res.records)}
 
 

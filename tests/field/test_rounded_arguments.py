@@ -144,7 +144,8 @@ def test_logit_drift_numbers() -> None:
 def test_check_triage_uses_the_rule_thresholds() -> None:
     """``check``'s quick pass escalates on the same thresholds (precision cannot import findings: equal by test)."""
     assert triage.ABS_ARG_LOST == {"periodic": A.PHASE_LOST, "softmax": A.LOGIT_LOST}
-    assert (triage.ABS_ARG_SLACK, triage.ABS_ARG_SENTINEL) == (A.ROUNDING_SLACK, A.SENTINEL)
+    assert (triage.ABS_ARG_SLACK, triage.ABS_ARG_SENTINEL, triage.ABS_ARG_DEPTH) == (A.ROUNDING_SLACK, A.SENTINEL,
+                                                                                       A.DEPTH)
 
 
 def test_logit_drift_fix_keeps_the_model_output_in_float32_and_verifies() -> None:

@@ -203,3 +203,44 @@ def test_check_cli_says_which_tier_ran(tmp_path: Any) -> None:
         assert res.exit_code == code and text in res.output, res.output
     res = CliRunner().invoke(main, ["check", str(tmp_path / "m1.py"), "--full"], env={"NO_COLOR": "1"})
     assert res.exit_code == 0 and "full diagnosis ran: the full diagnosis was asked for" in res.output, res.output
+
+
+class _Head(nn.Module):
+    """Logits of |max| ~30 into a log_softmax: from a GEMM without a bias (an LM head: bf16's rounding there is
+    relative to each logit, so it scales with the differences the softmax reads), or around a common offset 60 that
+    a GEMM's bias adds (its rounding is absolute, the same for every logit)."""
+
+    def __init__(self, offset: bool) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 64, bias=offset)
+        with torch.no_grad():
+            if offset:
+                self.head.bias.fill_(60.0)
+            else:
+                self.head.weight.mul_(30.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.head(torch.relu(self.up(x))), -1)
+
+
+def _head_spec(offset: bool) -> Any:
+    torch.manual_seed(0)
+    model = _Head(offset)
+    return make_spec(model, torch.randn(8, 8), loss_fn=lambda o, b: -o[:, 0].mean(),
+                     optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), precision="bf16-amp")
+
+
+def test_large_logits_of_a_product_take_the_quick_pass_and_an_offset_does_not() -> None:
+    """The rounded-argument reason needs a value the target held in bf16 that could be the precision-loss rule's
+    rounding site: for a softmax one that adds an offset. An LM head's bias-free GEMM at |max| 31 does not (the full
+    diagnosis agrees: no finding); a GEMM adding a bias of 60 does."""
+    lm = _head_spec(offset=False)
+    quick = headroom_and_check(lm)
+    assert not quick.triage.full and quick.report is None, quick.triage.reasons
+    full = headroom_and_check(_head_spec(offset=False), full=True)
+    assert full.report is not None and not [f for f in full.report.findings if f.severity == "error"]
+    flagged = headroom_and_check(_head_spec(offset=True))
+    assert flagged.triage.full
+    assert any("reads the absolute error of an argument of |max| 61" in r for r in flagged.triage.reasons), \
+        flagged.triage.reasons
