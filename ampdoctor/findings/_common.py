@@ -15,6 +15,7 @@ import torch
 
 from ampdoctor.findings._types import FixProposal
 from ampdoctor.trace import (
+    ALIAS_OPS,
     DTYPES,
     OPS,
     Bound,
@@ -34,8 +35,6 @@ from ampdoctor.trace import (
 LOW = frozenset(name for name, info in DTYPES.items() if info.low_precision)
 #: the 16-bit formats (fp16, bf16): parameters held in them lose small updates (fp8 parameters are fp8-scale's)
 HALF = frozenset(name for name, info in DTYPES.items() if info.low_precision and info.bits == 16)
-#: ops whose output holds (a subset of) the values of their inputs: a zero or a bound passes through unchanged
-ALIAS_OPS = ops_with(Kind.VIEW) | ops_with(Kind.COPY) | ops_with(Kind.JOIN)
 #: ops whose output holds the values of their first input, unchanged (repeated at most)
 SAME_VALUE_OPS = ops_with(Kind.SAME_ELEMENTS) | ops_with(Kind.REPEATS)
 #: bounded activations by name: their backward op and what the bound means

@@ -43,6 +43,7 @@ and infos the full diagnosis would add (precision-loss measures, decision change
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,7 @@ from ampdoctor.precision._runner import RunResult
 from ampdoctor.precision._spec import StepSpec
 from ampdoctor.precision._step import Observer, StepLoop, prepare, saved_rng
 from ampdoctor.trace import (
+    ALIAS_OPS,
     HALF_DTYPES,
     Kind,
     Trace,
@@ -83,8 +85,7 @@ ABS_ARG_LOST = {"periodic": 0.5, "softmax": 0.25}
 ABS_ARG_SLACK = 4.0
 ABS_ARG_SENTINEL = 4096.0
 ABS_ARG_DEPTH = 8
-#: ops whose output holds (a subset of) their input's values: no rounding site of their own
-_ALIAS = ops_with(Kind.VIEW) | ops_with(Kind.COPY) | ops_with(Kind.JOIN)
+#: ops whose output is a view or a copy of their first input: the same dtype
 _SAME_DTYPE = ops_with(Kind.VIEW) | ops_with(Kind.COPY)
 
 
@@ -259,25 +260,15 @@ def _argument_reasons(ref: TraceResult, target: list[Any], dtype: torch.dtype, f
 def _low_in_target(ref: list[Any], target: list[Any]) -> set[int]:
     """Indices of float32 records that the target step held in a low precision: the record itself is low, or its
     twin (same phase, module, op and occurrence) in the cheap target trace is."""
-    twins: dict[tuple[str, str, str, int], Any] = {}
-    seen: dict[tuple[str, str, str], int] = {}
-    for t in target:
-        if t.kind == "op" and t.op:
-            key = (t.phase, t.module, op_base(t.op))
-            n = seen[key] = seen.get(key, -1) + 1
-            twins[(*key, n)] = t.dtype
-    seen.clear()
+    twins = {key: t.dtype for key, t in _keyed(target)}
+    keys = {r.index: key for key, r in _keyed(ref)}
     out: set[int] = set()
     for r in ref:
-        dt = r.dtype
-        if r.kind == "op" and r.op:
-            key = (r.phase, r.module, op_base(r.op))
-            n = seen[key] = seen.get(key, -1) + 1
-            dt = twins.get((*key, n), dt)
-            if op_base(r.op) in _SAME_DTYPE and r.inputs and r.inputs[0] >= 0:  # a view holds its input's values:
-                if r.inputs[0] in out:  # its occurrences shift with autocast's extra ones, its input's dtype does not
-                    out.add(r.index)
-                continue
+        dt = twins.get(keys[r.index], r.dtype) if r.index in keys else r.dtype
+        if r.index in keys and op_base(r.op) in _SAME_DTYPE and r.inputs and r.inputs[0] >= 0:
+            if r.inputs[0] in out:  # a view holds its input's values: its occurrences shift with autocast's extra
+                out.add(r.index)  # ones, its input's dtype does not
+            continue
         info = dtype_info(dt) if dt is not None else None
         if info is not None and info.low_precision:
             out.add(r.index)
@@ -293,7 +284,7 @@ def _rounding_site(records: list[Any], arg: int, low: set[int], kind: str, u: fl
     x0 = records[arg]
     need = ABS_ARG_LOST[kind] / (2 * ABS_ARG_SLACK * u) if arg in low else 0.0
     for x in [x0, *feeders(records, x0, ABS_ARG_DEPTH)]:
-        if x.kind not in ("op", "batch") or x.index not in low or op_base(x.op or "") in _ALIAS:
+        if x.kind not in ("op", "batch") or x.index not in low or op_base(x.op or "") in ALIAS_OPS:
             continue
         if (kind == "periodic" or x.kind == "batch" or adds_an_offset(x.op)) and _absmax(x) >= need:
             return True
@@ -362,12 +353,9 @@ def guard_step(spec: StepSpec, ref: RunResult, *, policy: str = "cuda") -> tuple
     if done.exc is not None:
         out.append(f"the {spec.precision} step raised {type(done.exc).__name__}: {str(done.exc)[:200]}")
     twins = _occurrences(ref.trace.records)
-    seen: dict[tuple[str, str, str], int] = {}
-    for r in res.records:
-        key = (r.phase, r.module, op_base(r.op))
-        n = seen[key] = seen.get(key, -1) + 1
+    for key, r in _keyed(res.records, ops_only=False):
         lo, hi = r.stats.get("min", 0.0), r.stats.get("max", 0.0)
-        twin = twins.get((*key, n))
+        twin = twins.get(key)
         where = f"{r.op} in {r.module or '<root>'} ({r.phase})"
         if not (math.isfinite(lo) and math.isfinite(hi)) and not _same_kinds(lo, hi, twin):
             out.append(f"{where} made inf/NaN in the {spec.precision} step that its float32 twin does not hold")
@@ -386,18 +374,21 @@ def guard_step(spec: StepSpec, ref: RunResult, *, policy: str = "cuda") -> tuple
     return out, {"loss": loss, "reference_loss": ref_loss, "ops": len(res.records)}
 
 
-def _occurrences(records: list[Any]) -> dict[tuple[str, str, str, int], dict[str, float]]:
-    """The float32 run's op records by (phase, module, op, occurrence): how a cheap target record finds its twin
-    (autocast's extra casts are other ops and do not shift the count)."""
-    out: dict[tuple[str, str, str, int], dict[str, float]] = {}
+def _keyed(records: list[Any], ops_only: bool = True) -> Iterator[tuple[tuple[str, str, str, int], Any]]:
+    """Records with their (phase, module, op, occurrence) key: how a cheap target record finds its float32 twin
+    (autocast's extra casts are other ops and do not shift the count). ``ops_only``: op records only."""
     seen: dict[tuple[str, str, str], int] = {}
     for r in records:
-        if r.kind != "op" or not r.op:
+        if ops_only and (r.kind != "op" or not r.op):
             continue
         key = (r.phase, r.module, op_base(r.op))
         n = seen[key] = seen.get(key, -1) + 1
-        out[(*key, n)] = r.stats
-    return out
+        yield (*key, n), r
+
+
+def _occurrences(records: list[Any]) -> dict[tuple[str, str, str, int], dict[str, float]]:
+    """The float32 run's op records' statistics by :func:`_keyed`'s key."""
+    return {key: r.stats for key, r in _keyed(records)}
 
 
 def _same_kinds(lo: float, hi: float, twin: dict[str, float] | None) -> bool:

@@ -55,6 +55,7 @@ from ampdoctor.trace._lineage import Lineage, analyse_lineage, feeders, has_nan,
 from ampdoctor.trace._mode import OpRecord, RecordingMode, _key
 from ampdoctor.trace._modules import ModuleAttribution, frame_boundary, iter_tensors, user_frame
 from ampdoctor.trace._ops import (
+    ALIAS_OPS,
     DUNDERS,
     OPS,
     Bound,
@@ -138,6 +139,7 @@ __all__ = [
     "has_nan",
     "analyse_lineage",
     "feeders",
+    "ALIAS_OPS",
     "adds_an_offset",
     "WriteRecord",
     "WRITE_FIELDS",

@@ -26,9 +26,9 @@ import enum
 from dataclasses import dataclass, field
 from functools import cache
 
-__all__ = ["Bound", "DUNDERS", "Family", "Kind", "Literal", "OpInfo", "Reduces", "Role", "Upcast", "adds_an_offset",
-           "declare", "family_ops", "literal_values", "op_base", "op_info", "ops_with", "ops_with_literal",
-           "torch_names", "OPS"]
+__all__ = ["ALIAS_OPS", "Bound", "DUNDERS", "Family", "Kind", "Literal", "OpInfo", "Reduces", "Role", "Upcast",
+           "adds_an_offset", "declare", "family_ops", "literal_values", "op_base", "op_info", "ops_with",
+           "ops_with_literal", "torch_names", "OPS"]
 
 
 class Kind(enum.Enum):
@@ -370,3 +370,6 @@ for _n in ("sort", "argsort"):
 for _n in ("gt", "lt", "ge", "le"):  # a threshold on a running total (nucleus sampling's cumsum > p) is a choice
     declare(_n, K.DECISION, K.THRESHOLDS)
 del _n, K, R, F, IN, FP32
+
+#: ops whose output holds (a subset of) the values of their inputs: a zero, a bound or a dtype passes through unchanged
+ALIAS_OPS: frozenset[str] = ops_with(Kind.VIEW) | ops_with(Kind.COPY) | ops_with(Kind.JOIN)
