@@ -24,6 +24,7 @@ no device sync exists, full statistics of large tensors read their range first t
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -346,13 +347,14 @@ class untraced:
     def __enter__(self) -> None:
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-        self.inner = [_paused(m) for m in _get_current_dispatch_mode_stack() if isinstance(m, RecordingMode)]
-        for p in self.inner:
-            p.__enter__()
+        with contextlib.ExitStack() as stack:  # a pause that fails to enter unpauses the ones entered before it
+            for m in _get_current_dispatch_mode_stack():
+                if isinstance(m, RecordingMode):
+                    stack.enter_context(_paused(m))
+            self._stack = stack.pop_all()
 
     def __exit__(self, *exc: object) -> None:
-        for p in reversed(self.inner):
-            p.__exit__(*exc)
+        self._stack.close()  # every pause exits, also when one of them raises
 
 
 def trace(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, full: bool = False,
