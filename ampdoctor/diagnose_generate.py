@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ampdoctor.findings import Evidence, Finding, LayerStat, Report, analyse, build_context, enrich_all
+from ampdoctor.findings import summary as run_summary
 from ampdoctor.findings import layers as layer_table
 from ampdoctor.precision import (
     NOISE_MARGIN_RMS,
@@ -99,6 +100,9 @@ def diagnose_generate(model: nn.Module, input_ids: torch.Tensor, *, precision: s
     summary.update(step_summary)
     if gen.fp8_recipe is not None:
         summary["fp8_recipe"] = asdict(gen.fp8_recipe)
+        if "fp8_unquantised" not in summary:  # no failing step was traced: the prefill is, for the GEMM coverage
+            summary["fp8_unquantised"] = _fp8_unquantised(model, input_ids, precision, policy, transforms, source,
+                                                          fp8_recipe)
     if compiled:
         summary["compiled"] = compare_compiled_generation(model, input_ids, precision, policy, gen.ref_tokens,
                                                           transforms)
@@ -173,9 +177,24 @@ def _step_findings(model: nn.Module, precision: str, source: str, first: DecodeS
     nf = next((r for r in records if r.kind == "op" and r.stats and (
         r.stats.get("n_nan", 0) + r.stats.get("n_posinf", 0) + r.stats.get("n_neginf", 0)) > 0), None)
     summary: dict[str, Any] = {"ops_traced": len(records)}
+    if ctx.target.fp8 is not None:  # as diagnose reports it (and logs it): GEMMs the fp8 emulation did not see
+        summary["fp8_unquantised"] = run_summary(ctx, op_findings, 0.0)["fp8_unquantised"]
     if nf is not None:
         summary["first_nonfinite"] = dict(ctx.describe(nf), decode_step=first.step, position=first.position)
     return out, layer_table(ctx), summary
+
+
+def _fp8_unquantised(model: nn.Module, input_ids: torch.Tensor, precision: str, policy: str,
+                     transforms: tuple[Any, ...], source: str, fp8_recipe: Any) -> list[dict[str, Any]]:
+    """``summary["fp8_unquantised"]`` of a generation with no failing step: the prefill under the full op trace
+    (the same GEMMs every decode step runs), as :func:`ampdoctor.diagnose` reports it for an fp8 step."""
+    with saved_rng():
+        pre = generate(model, input_ids, precision=precision, max_new_tokens=1, policy=policy,
+                       transforms=transforms, trace_step=0, fp8_recipe=fp8_recipe)
+    if pre.traced is None:  # pragma: no cover - generate(trace_step=0) always traces the prefill
+        return []
+    ctx = build_context(StepSpec(model, None, precision, source=source), *pre.traced)
+    return list(run_summary(ctx, [], 0.0).get("fp8_unquantised", []))
 
 
 def _fp8_layer_finding(f: Finding, first: DecodeStat, where: dict[str, Any], cache: str) -> Finding:
