@@ -16,16 +16,17 @@ POLICY_HELP = "autocast op policy for *-amp: CUDA's (emulated off-GPU) or the de
 
 
 class LogFormat(logging.Formatter):
-    """``name: message`` for other libraries' records (a script run under ``ampdoctor run`` logs too); ampdoctor's
-    own messages already start with what says where they come from (``ampdoctor.watch: ...``, ``ampdoctor run:``,
-    also for library users whose logging shows no logger name), so they get no second prefix."""
+    """``name: message`` for other libraries' records (a script run under ``ampdoctor run`` logs too) and for the
+    watch's (logger ``ampdoctor.watch``: its messages name no source, so a plain ``logging.basicConfig()`` shows
+    it once, from the logger name); ampdoctor's other messages already start with what says where they come from
+    (``ampdoctor run:``) or are the CLI's own, so they get no second prefix."""
 
     def __init__(self) -> None:
         super().__init__("%(name)s: %(message)s")
         self.own = logging.Formatter("%(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        if record.name == "ampdoctor" or record.name.startswith("ampdoctor."):
+        if record.name != "ampdoctor.watch" and (record.name == "ampdoctor" or record.name.startswith("ampdoctor.")):
             return self.own.format(record)
         return super().format(record)
 

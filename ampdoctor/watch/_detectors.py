@@ -157,7 +157,7 @@ def run_detectors(event: Event, state: DetectorState) -> list[Detection]:
             out.extend(fn(event, state))
         except Exception as exc:  # noqa: BLE001 - one broken detector must not blind the others
             state.broken.add(name)
-            log.warning("ampdoctor.watch: the %r detector failed (%s: %s) and is off for the rest of the run; "
+            log.warning("the %r detector failed (%s: %s) and is off for the rest of the run; "
                         "the other checks go on. Please report this with the traceback.", name,
                         type(exc).__name__, exc, exc_info=exc)
     return out

@@ -215,10 +215,10 @@ class Watch:
         try:
             note = self.report().summary.get("precision_note")
         except Exception as e:  # noqa: BLE001 - a failure inside the watch never reaches the user's training
-            log.debug("ampdoctor.watch: no precision note (%s: %s)", type(e).__name__, e)
+            log.debug("no precision note (%s: %s)", type(e).__name__, e)
             return
         if note:
-            log.warning("ampdoctor.watch: %s", note)
+            log.warning("%s", note)
 
     def _setup_finding(self, requested: str, by: str, *, only_fp16: bool = False) -> None:
         """Judge the trainable parameters' dtypes against mixed precision now, before step 0, and log it."""
@@ -228,7 +228,7 @@ class Watch:
         f = mixed_setup_finding(requested, by, params)
         self._policy.setup = f
         if f is not None:
-            log.log(logging.ERROR if f.severity == "error" else logging.WARNING, "ampdoctor.watch: [%s] %s: %s Fix: %s",
+            log.log(logging.ERROR if f.severity == "error" else logging.WARNING, "[%s] %s: %s Fix: %s",
                     f.severity, f.code, f.explanation, f.fixes[0].title)
 
     def add_scalar_sink(self, fn: ScalarSink) -> None:
@@ -303,13 +303,13 @@ class Watch:
             info = moved_to(d.record.step, bad, prior if usable else None, self.options.coverage_steps)
             if self._policy.moved is None:      # the first one: the one the replay runs
                 self._policy.moved = info
-                log.warning("ampdoctor.watch: %s", info["note"])
+                log.warning("%s", info["note"])
             if prior is None or not usable:
                 return a
             moved = dataclasses.replace(a, inputs=prior.inputs, prior=prior, detection=dataclasses.replace(
                 d, record=prior.record, message=f"{d.message} {info['note']}"))
         except Exception as exc:  # noqa: BLE001 - the step's own replay still runs
-            log.warning("ampdoctor.watch: checking the state step %d started from failed (%s: %s)",
+            log.warning("checking the state step %d started from failed (%s: %s)",
                         a.detection.record.step, type(exc).__name__, exc)
             return a
         return moved

@@ -235,7 +235,7 @@ class LossRecorder(TorchFunctionMode):
         self._release()
 
     def stop(self, why: str) -> None:
-        log.debug("ampdoctor.watch: the loss code is not recorded: %s", why)
+        log.debug("the loss code is not recorded: %s", why)
         self.failed = True
         self._release()
 
@@ -278,7 +278,7 @@ def _leave_on_return(rec: LossRecorder, caller: types.FrameType) -> None:
         try:
             rec.pop()
         except Exception as exc:  # noqa: BLE001 - never into the user's code; the tap pops it at its next hook
-            log.debug("ampdoctor.watch: the loss recorder stays on the mode stack (%s)", exc)
+            log.debug("the loss recorder stays on the mode stack (%s)", exc)
 
     sys.setprofile(on_event)
 
@@ -364,7 +364,7 @@ class LossCodeTap:
         if rec is not None:
             rec.stop("the watch is closing")
             if not rec.pop():
-                log.warning("ampdoctor.watch: a TorchFunctionMode entered after the model's forward is still "
+                log.warning("a TorchFunctionMode entered after the model's forward is still "
                             "active; the loss recorder stays below it as a pass-through")
         self.recorder = None
 

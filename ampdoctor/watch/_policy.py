@@ -112,16 +112,15 @@ class AnomalyPolicy:
         if d.kind in LOCATE_ONLY:
             path = self._locate_only(a) if first else None
             self.recent.append({"kind": d.kind, "step": d.record.step, "message": d.message, "reproducer": path})
-            self.sinks.anomaly(f"ampdoctor.watch: {d.message}" + (f" Reproducer: {path}" if path else ""),
-                               first=first)
+            self.sinks.anomaly(d.message + (f" Reproducer: {path}" if path else ""), first=first)
             return
         path = self._extras(a, write=first) if first or self._replay_open else None
         if self.ranks is not None:
             self._tell_ranks(a)
         self.recent.append({"kind": d.kind, "step": d.record.step, "message": d.message, "reproducer": path})
-        text = f"ampdoctor.watch: {d.message}" + (f" Reproducer: {path}" if path else "")
+        text = d.message + (f" Reproducer: {path}" if path else "")  # logged by "ampdoctor.watch": no prefix
         if o.on_anomaly == "raise":
-            err = AnomalyError(text, kind=d.kind, step=d.record.step, reproducer=path)
+            err = AnomalyError(f"ampdoctor.watch: {text}", kind=d.kind, step=d.record.step, reproducer=path)
             if self.ranks is not None:      # raised at the step's agreement, on every rank together
                 self._pending_raise = self._pending_raise or err
                 return
@@ -177,7 +176,7 @@ class AnomalyPolicy:
             self._skip_step()
             self.skipped_by_guard += 1
             if not want:
-                log.warning("ampdoctor.watch: step %d: %d other rank(s) saw an anomaly; this rank skips the update "
+                log.warning("step %d: %d other rank(s) saw an anomaly; this rank skips the update "
                             "too, so the replicas stay equal", step, skipped)
         if raised:
             raise own or AnomalyError(
@@ -224,7 +223,7 @@ class AnomalyPolicy:
                 a = self._earlier(a)
             payload = self._payload(a)
         except Exception as exc:  # noqa: BLE001 - the decision (raise/skip) must still happen
-            log.warning("ampdoctor.watch: recording step %d failed (%s: %s); no reproducer or replay for it",
+            log.warning("recording step %d failed (%s: %s); no reproducer or replay for it",
                         a.detection.record.step, type(exc).__name__, exc)
             return None
         path = self._write(payload, a) if write else None
@@ -246,7 +245,7 @@ class AnomalyPolicy:
         try:
             payload = self._payload(a)
         except Exception as exc:  # noqa: BLE001 - an extra: the watch goes on
-            log.warning("ampdoctor.watch: recording step %d failed (%s: %s); no reproducer or replay for it",
+            log.warning("recording step %d failed (%s: %s); no reproducer or replay for it",
                         a.detection.record.step, type(exc).__name__, exc)
             return None
         path = self._write(payload, a) if o.reproducer_dir is not None else None
@@ -266,7 +265,7 @@ class AnomalyPolicy:
                                                f"step{d.record.step:06d}-{d.kind}.pt")
         except Exception as exc:  # noqa: BLE001 - e.g. a full disk: warn once, keep deciding
             self._writer_broken = True
-            log.warning("ampdoctor.watch: writing the reproducer failed (%s: %s); no more reproducers are written, "
+            log.warning("writing the reproducer failed (%s: %s); no more reproducers are written, "
                         "the watch goes on", type(exc).__name__, exc)
             return None
         self.reproducers.append(path)
@@ -297,7 +296,7 @@ class AnomalyPolicy:
                                                   train_step=train_step, loss_fn=loss_fn)
         except Exception as exc:  # noqa: BLE001 - a failed replay must not stop training
             self.replay_error = f"{type(exc).__name__}: {exc}"
-            log.warning("ampdoctor.watch: replaying step %d failed (%s); the watch goes on", payload["step"],
+            log.warning("replaying step %d failed (%s); the watch goes on", payload["step"],
                         self.replay_error)
             return None
 
@@ -305,7 +304,7 @@ class AnomalyPolicy:
     def _log_root(report: Report, step: int) -> None:
         root = report.root_cause
         if root is not None:
-            log.warning("ampdoctor.watch: replay of step %d: %s in %s (%s, %s)", step, root.code,
+            log.warning("replay of step %d: %s in %s (%s, %s)", step, root.code,
                         root.module or "<root>", root.op or "op unknown", root.phase)
 
     def _replay(self, payload: dict[str, Any], path: str | None) -> None:
@@ -314,14 +313,14 @@ class AnomalyPolicy:
         if report is None:
             return
         if self.replay_report is not None:
-            log.warning("ampdoctor.watch: the replay of step %s located no error; replaying step %d instead",
+            log.warning("the replay of step %s located no error; replaying step %d instead",
                         self.replay_step, payload["step"])
         self.replay_report = report
         self.replay_step = int(payload["step"])
         self.unreproduced = not_reproduced(report, str(payload["anomaly"]), self.replay_step,
                                            self.train_step is not None or bool(self.step_method))
         if self.unreproduced is not None:
-            log.warning("ampdoctor.watch: %s", self.unreproduced["note"])
+            log.warning("%s", self.unreproduced["note"])
         self._log_root(report, int(payload["step"]))
 
 

@@ -203,7 +203,7 @@ class RankAgreement:
         if e.local and (self.origin is None or (e.step, e.rank) < (self.origin.step, self.origin.rank)):
             self.origin = e
             if e.rank != self.rank:
-                log.warning("ampdoctor.watch: rank %d saw the first non-finite value of the job (%s at step %d%s); "
+                log.warning("rank %d saw the first non-finite value of the job (%s at step %d%s); "
                             "rank %d's inf/NaN, if any, came from there", e.rank, e.kind or "non-finite", e.step,
                             f", {e.code} in {e.module or '<root>'} ({e.op or 'op unknown'})" if e.code else "",
                             self.rank)

@@ -41,11 +41,11 @@ class Sinks:
                 fn(f"ampdoctor/{tag}", value, step)
             except Exception as exc:  # noqa: BLE001
                 self._scalar_sinks.remove(fn)
-                log.warning("ampdoctor.watch: a framework logger failed (%s: %s); it gets no more values",
+                log.warning("a framework logger failed (%s: %s); it gets no more values",
                             type(exc).__name__, exc)
 
     def _drop_tensorboard(self, exc: BaseException) -> None:
-        log.warning("ampdoctor.watch: the TensorBoard writer failed (%s: %s); TensorBoard output stops, the watch "
+        log.warning("the TensorBoard writer failed (%s: %s); TensorBoard output stops, the watch "
                     "goes on", type(exc).__name__, exc)
         self._tb = None
 

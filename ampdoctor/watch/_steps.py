@@ -211,7 +211,7 @@ class StepTracker:
         self.unwatched_updates += 1
         if self.unwatched_updates >= 2:
             self.orphaned = True
-            log.warning("ampdoctor.watch: the weights changed %d times without the watched optimizer stepping: "
+            log.warning("the weights changed %d times without the watched optimizer stepping: "
                         "it is no longer the one in use (rebuilt mid-run?). Gradient checks now run only at "
                         "w.step(loss); to watch the new optimizer's steps, watch it: ampdoctor.watch(model, "
                         "new_optimizer)", self.unwatched_updates)
@@ -443,7 +443,7 @@ class StepTracker:
         self.module_handles = self.module_handles[:1]
         if never:
             groups = group_by_owner(never, ps.owners)
-            log.warning("ampdoctor.watch: %d trainable parameter(s) never received a gradient in the first %d step(s) "
+            log.warning("%d trainable parameter(s) never received a gradient in the first %d step(s) "
                         "(modules: %s); see w.report()", len(never), self.cov_steps,
                         ", ".join(g or "<root>" for g in groups))
 
