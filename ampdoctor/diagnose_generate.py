@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from ampdoctor.findings import Evidence, Finding, LayerStat, Report, analyse, build_context, enrich_all
-from ampdoctor.findings import summary as run_summary
 from ampdoctor.findings import layers as layer_table
+from ampdoctor.findings import summary as run_summary
 from ampdoctor.precision import (
     NOISE_MARGIN_RMS,
     NOISE_REL_ERR,
