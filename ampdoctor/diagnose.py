@@ -36,6 +36,7 @@ from ampdoctor.precision import (
     run,
     saved_rng,
     spec_from_module,
+    unread_updates,
 )
 from ampdoctor.precision.headroom import (
     Headroom,
@@ -101,12 +102,16 @@ def diagnose_file(path: str, **overrides: Any) -> Report:
 
 def diagnose_spec(spec: StepSpec, *, policy: str = "cuda", progress: Any = None,
                   reference: RunResult | None = None, shared: SharedCopy | None = None) -> Report:
-    """spec -> reference run -> target run -> context -> rules -> ranking -> enrichment -> agreement -> report.
+    """spec -> target run -> reference run -> context -> rules -> ranking -> enrichment -> agreement -> report.
+
+    The target runs first so that the reference can leave out what nothing reads: its last optimizer step when
+    the target skipped its own (:func:`~ampdoctor.precision.unread_updates`; listed in
+    ``summary["reference_updates_not_run"]``). The second run's copy is made over the first one's storages where
+    they fit (:class:`~ampdoctor.precision.SharedCopy`: no second allocation of the model).
 
     ``reference``: the float32 reference run of this very spec when the caller already ran it
-    (:func:`headroom_and_diagnose`); it is not run again. The target's copy is made over the reference's storages
-    where they fit (:class:`~ampdoctor.precision.SharedCopy`: no second allocation of the model); ``shared``: the
-    one the caller's reference run handed its copy over to."""
+    (:func:`headroom_and_diagnose`); it is not run again, and the target's copy is made over its storages through
+    ``shared``, the one the caller's reference run handed its copy over to."""
     def phase(name: str) -> None:
         log.info("diagnose: %s", name)
         if progress is not None:
@@ -115,13 +120,18 @@ def diagnose_spec(spec: StepSpec, *, policy: str = "cuda", progress: Any = None,
     t0 = time.perf_counter()
     if shared is None:
         shared = SharedCopy(spec)
-    if reference is None:
+    if reference is None:  # the target first: the reference need not run an update the target skipped
+        phase("target")
+        with saved_rng():
+            target = run(spec, reference=False, policy=policy, hand_over=shared)
         phase("reference")
         with saved_rng():
-            reference = run(spec, reference=True, policy=policy, hand_over=shared)
-    phase("target")
-    with saved_rng():
-        target = run(spec, reference=False, policy=policy, reuse=shared)
+            reference = run(spec, reference=True, policy=policy, reuse=shared,
+                            no_update=unread_updates(spec, target))
+    else:
+        phase("target")
+        with saved_rng():
+            target = run(spec, reference=False, policy=policy, reuse=shared)
     phase("analysis")
     ctx = build_context(spec, target, reference)
     findings = enrich_all(analyse(ctx), spec.model, spec.precision)  # rules, ranking, enrichment

@@ -161,7 +161,7 @@ def main() -> None:
 
         def progress(phase: str) -> None:
             marks.append((phase, time.perf_counter(), time.process_time()))
-            if phase in ("target", "analysis", "done"):
+            if len(marks) > 1:  # the previous phase ended (runs in the library's order: target, reference, ...)
                 clock.mark("(between runs)")
                 snapshot(marks[-2][0], runs)
             clock.reset()

@@ -26,8 +26,9 @@ compared with the two plain processes around it (bracketing cancels slow drift o
 their first steps (a fresh process's first step allocates and page-faults AdamW's state, as the diagnose's copies
 do) and, as *steady*, against their second steps; memory against their peak RSS (``VmHWM``, max over both steps).
 Inside the diagnose child the peak RSS is read per phase (``/proc/self/clear_refs`` resets the high-water mark at
-each phase), and at the start of the target phase the child counts live model objects with ``gc.get_objects()``
-(which also lists unreachable cycles not yet collected): the reference run's copy must be gone by then. Phases are
+each phase), and at the start of the second run (the reference: the library runs the target first) the child counts
+live model objects with ``gc.get_objects()`` (which also lists unreachable cycles not yet collected): the first
+run's copy must be gone by then. Phases are
 logged as they happen. The parent samples the load average every 2 s. Results go to ``bench/results/scale.{json,md}``.
 """
 
@@ -169,8 +170,8 @@ def child(kind: str, cfg: _models.BenchConfig, args: argparse.Namespace) -> dict
                      f"{peak:.2f} GiB")
             peaks.append(peak)
             entry: dict[str, Any] = {"phase": phase, "t0": now, "rss_at_start_gib": _gib(status_gib("VmRSS"))}
-            if phase == "target":
-                # the reference run's deep copy must be gone before the target's is made (cycles included)
+            if len(phases) == 1:  # the second run (the library runs the target, then the reference)
+                # the first run's deep copy must be gone before the second's is made (cycles included)
                 entry["live_models"] = sum(1 for o in gc.get_objects() if type(o) is cls)
             if phase != "done":
                 _log(f"  [diagnose] {phase} ... (RSS {entry['rss_at_start_gib']} GiB"

@@ -30,7 +30,7 @@ from ampdoctor.precision._generate import (
 )
 from ampdoctor.precision._keep_fp32 import keep_fp32_transform
 from ampdoctor.precision._positions import first_position, headroom_curve, position_profile
-from ampdoctor.precision._runner import ParamState, RunResult, run
+from ampdoctor.precision._runner import ParamState, RunResult, run, unread_updates
 from ampdoctor.precision._shared_copy import SharedCopy
 from ampdoctor.precision._spec import (
     FP8_FORMATS,
@@ -122,6 +122,7 @@ __all__ = [
     "check_steps",
     "make_spec",
     "run",
+    "unread_updates",
     "saved_rng",
     "spec_from_module",
 ]

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampdoctor.precision._distributed import wrapper_kind
 from ampdoctor.precision._heap import release_free_heap
 from ampdoctor.precision._input_errors import input_error
 from ampdoctor.precision._shared_copy import SharedCopy
@@ -73,6 +74,11 @@ class RunResult:
     grad_norms: list[float] = field(default_factory=list)
     #: per step, the GradScaler's scale while the step ran (empty without an enabled scaler)
     step_scales: list[float] = field(default_factory=list)
+    #: the steps whose ``optimizer.step`` the run entered (its step pre-hook fired; a GradScaler that found an
+    #: inf/NaN gradient skips it)
+    updated_steps: list[int] = field(default_factory=list)
+    #: the steps whose optimizer step the run did not run because nothing reads it (``run(no_update=...)``)
+    updates_not_run: list[int] = field(default_factory=list)
 
 
 def _coverage(model: nn.Module, names: dict[int, str], owners: dict[int, str], opt: Any) -> list[ParamState]:
@@ -177,6 +183,7 @@ class _TraceObserver(Observer):
         if prep.device.type == "cpu":  # the backward's freed activations: hand their heap pages back first
             self.tr.on_optimizer_pre.append(self._release_heap)
         self.tr.on_optimizer_pre.append(self._snapshot)
+        self.tr.on_optimizer_pre.append(self._entered)
         if prep.scaler is not None and prep.scaler.is_enabled():
             # read only against a loss scale (``loss-scaling-misuse``): a step without an enabled scaler skips
             # the norm (a pass over every gradient, ~2.5 s per run at 750M parameters on this CPU)
@@ -219,6 +226,11 @@ class _TraceObserver(Observer):
             if gs:
                 norm = torch.stack([sum_of_squares(g.detach()) for g in gs]).sum().sqrt()
                 self.norms[step] = float(norm) if norm.device.type == "cpu" else norm  # a host float on the host
+
+    def _entered(self) -> None:
+        step = self.tr.mode.step
+        if step not in self.result.updated_steps:
+            self.result.updated_steps.append(step)
 
     def _snapshot(self) -> None:
         if len(self.result.coverage) <= self.tr.mode.step:
@@ -281,9 +293,28 @@ def _describe(prep: Prepared, result: RunResult, names: dict[int, str], owners: 
             k: v for k, v in opt.defaults.items() if isinstance(v, (int, float, str, bool, tuple))}}
 
 
+def unread_updates(spec: StepSpec, target: RunResult) -> frozenset[int]:
+    """The reference's optimizer steps that nothing in a diagnosis reads, given its target run: the last step's,
+    when the target ran every step to its end and never entered that step's ``optimizer.step`` (a GradScaler
+    that found an inf/NaN gradient skips it -- a fresh scaler's first steps usually do).
+
+    What reads the reference's updates compares them with the target's (``findings._updates``: the same write in
+    both runs) or feeds the next step, and there is none: the target wrote no update at that step and it is the
+    last. Skipping it is the cost of a plain step's AdamW (at 750M parameters its state allocation, ~40 % of the
+    reference run) and its peak memory. Only for the diagnosis's own loop (a user ``train_step`` runs whole), a
+    ``torch.optim.Optimizer`` (its step pre-hook says whether the step ran) and no DDP/FSDP wrapper (every rank
+    must take the same decision without a collective)."""
+    last = spec.steps - 1
+    if (spec.train_step is not None or not isinstance(spec.optimizer, torch.optim.Optimizer)
+            or wrapper_kind(spec.model) is not None or target.exc is not None or target.forward_only
+            or len(target.losses) != spec.steps or last in target.updated_steps):
+        return frozenset()
+    return frozenset({last})
+
+
 def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: bool = False,
         headroom: bool = False, reuse: SharedCopy | None = None, hand_over: SharedCopy | None = None,
-        request: Request | None = None) -> RunResult:
+        request: Request | None = None, no_update: frozenset[int] = frozenset()) -> RunResult:
     """Run ``spec.steps`` traced steps on copies; ``reference=True`` is the float32, autocast-free run.
 
     ``request``: the statistics the run's reader needs (``ampdoctor.trace.Request``); by default what the findings
@@ -291,7 +322,10 @@ def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: b
 
     ``reuse``: make the copy over the storages a previous run handed over; ``hand_over``: hand this run's copy's
     storages over to the next run when it is done (:class:`~ampdoctor.precision._shared_copy.SharedCopy`; the
-    diagnosis's reference, then its target).
+    diagnosis's target, then its reference).
+
+    ``no_update``: steps whose optimizer step is not run (:func:`unread_updates`: the reference's last update when
+    the target skipped its own); listed in :attr:`RunResult.updates_not_run`.
 
     The step is :mod:`ampdoctor.precision._step`'s (the one every caller runs), observed by the trace.
     Exceptions raised by the step are recorded in the result (a crash is part of a diagnosis), except an
@@ -303,8 +337,9 @@ def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: b
                        device=str(prep.device))
     observer = _TraceObserver(spec, prep, result, headroom, request)
     _describe(prep, result, observer.names, observer.owners)
-    loop = StepLoop(spec, prep, policy=policy, observers=(observer,))
+    loop = StepLoop(spec, prep, policy=policy, observers=(observer,), no_update=no_update)
     done = loop.run(spec.steps)
+    result.updates_not_run = sorted(s for s in no_update if s < len(done.losses) and not done.forward_only)
     result.losses, result.scales, result.forward_only = done.losses, done.scales, done.forward_only
     result.exc, result.exc_step, result.exc_traceback, result.fp8 = (done.exc, done.exc_step, done.exc_traceback,
                                                                      done.fp8)

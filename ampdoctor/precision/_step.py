@@ -234,13 +234,18 @@ class StepLoop:
     ``forward_only_steps``: stop after that many steps when the step turns out forward-only (no loss that
     requires grad). ``raise_errors``: let an exception of the step propagate instead of recording it.
     ``keep_outputs``: keep float32 copies of a forward-only step's floating outputs in the result.
+    ``no_update``: steps whose own-loop optimizer step (and scaler step/update) is not run: the forward, backward
+    and the observers' ``grads_ready`` still are (the diagnosis's reference, where nothing reads that update:
+    :func:`ampdoctor.precision._runner.unread_updates`). A user ``train_step`` is always run whole.
     """
 
     def __init__(self, spec: StepSpec, prep: Prepared, *, policy: str = "cuda",
                  observers: Sequence[Observer] = (), forward_only_steps: int | None = None,
-                 raise_errors: bool = False, keep_outputs: bool = False) -> None:
+                 raise_errors: bool = False, keep_outputs: bool = False,
+                 no_update: frozenset[int] = frozenset()) -> None:
         self.spec, self.prep, self.observers = spec, prep, tuple(observers)
         self.forward_only_steps, self.raise_errors, self.keep_outputs = forward_only_steps, raise_errors, keep_outputs
+        self.no_update = no_update
         self.amp = contextlib.nullcontext() if prep.reference else _precision_context(prep.precision, prep.device,
                                                                                         policy)
         self.gemm = contextlib.nullcontext() if prep.reference else _gemm_context(prep.precision, prep.device,
@@ -337,7 +342,7 @@ class StepLoop:
         (prep.scaler.scale(loss) if prep.scaler is not None else loss).backward()
         for ob in self.observers:
             ob.grads_ready(self, step)
-        if prep.optimizer is not None:
+        if prep.optimizer is not None and step not in self.no_update:
             if prep.scaler is not None:
                 prep.scaler.step(prep.optimizer)
                 prep.scaler.update()

@@ -100,6 +100,28 @@ def test_target_run_on_the_shared_copy_is_bitwise_the_fresh_one(kw: dict[str, An
     assert all(torch.equal(before[k], v) for k, v in spec.model.state_dict().items())  # the user's model untouched
 
 
+@pytest.mark.parametrize("kw", CASES)
+def test_reference_run_on_the_targets_shared_copy_is_bitwise_the_fresh_one(kw: dict[str, Any]) -> None:
+    """The diagnosis's own order: the target hands its copy over to the reference."""
+    spec = _spec(**kw)
+    with saved_rng():
+        ref_fresh = run(spec, reference=True)
+    shared = SharedCopy(spec)
+    with saved_rng():
+        target = run(spec, reference=False, hand_over=shared)
+    kept = shared.addresses()
+    assert len(kept) >= len(list(spec.model.parameters()))  # the amp target's float32 parameters are handed over
+    with saved_rng():
+        ref = run(spec, reference=True, reuse=shared, keep_models=True)
+    model = ref.models[0]
+    assert kept <= {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())} | {
+        v.untyped_storage().data_ptr() for st in ref.models[1].state.values() for v in st.values()
+        if isinstance(v, torch.Tensor)}
+    ref.models = None
+    assert _fingerprint(ref) == _fingerprint(ref_fresh)
+    assert target.losses != ref.losses
+
+
 def _findings(report: Any) -> list[Any]:
     return [(f.code, f.severity, f.module, f.op, f.phase, repr(f.evidence)) for f in report.findings]
 

@@ -309,9 +309,10 @@ def test_the_loops_loss_and_scale_reads_are_not_recorded(precision: str, scaler:
 
 
 def test_a_diagnosis_trims_the_heap_between_its_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The reference's freed heap goes back to the OS before the target allocates: without that trim the target starts
-    from the reference's resident free pages and adds its own beside them (measured at 750M, fp16-amp: the target
-    started at 17.2 GiB RSS and peaked at 19.7 GiB, 1.55x a plain step, against 6.1 / 14.0 GiB with the trim)."""
+    """The first run's freed heap goes back to the OS before the second allocates (the target runs first, then the
+    reference): without that trim the second run starts from the first's resident free pages and adds its own
+    beside them (measured at 750M, fp16-amp, when the reference ran first: the target started at 17.2 GiB RSS and
+    peaked at 19.7 GiB, 1.55x a plain step, against 6.1 / 14.0 GiB with the trim)."""
     import sys
 
     from ampdoctor.precision import _runner
@@ -328,4 +329,4 @@ def test_a_diagnosis_trims_the_heap_between_its_runs(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(sys.modules["ampdoctor.diagnose"], "run", run_traced)
     ampdoctor.diagnose(spec.model, spec.batch, precision="fp16-amp", optimizer=spec.optimizer, scaler=spec.scaler,
                        loss_fn=spec.loss_fn, steps=2)
-    assert calls == ["reference", "trim", "trim", "trim", "target", "trim", "trim", "trim"], calls
+    assert calls == ["target", "trim", "trim", "trim", "reference", "trim", "trim", "trim"], calls

@@ -96,7 +96,7 @@ def test_the_quick_pass_runs_no_full_target_trace(monkeypatch: pytest.MonkeyPatc
     assert calls == [True]
     calls.clear()
     res = headroom_and_check(_spec(scale=40000.0))  # flagged by the fp32 pass: the full diagnosis follows
-    assert calls == [True, True, False] and res.report is not None
+    assert calls == [True, False, True] and res.report is not None  # the diagnosis runs its target first
     calls.clear()
     res = headroom_and_check(_spec(), full=True)  # flagged before anything runs: one fp32 run for both
     assert calls == [True, False] and res.report is not None
