@@ -18,6 +18,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import sys
 import time
 from collections import defaultdict
@@ -33,19 +34,31 @@ from _memory import status_gib  # noqa: E402
 T: dict[str, float] = defaultdict(float)  # wall seconds
 C: dict[str, float] = defaultdict(float)  # CPU seconds of this process (robust against the shared machine's load)
 N: dict[str, int] = defaultdict(int)
+F: dict[str, int] = defaultdict(int)  # minor page faults (fresh pages the heap hands out: the kernel zeroes them)
+S: dict[str, float] = defaultdict(float)  # system CPU seconds (page faults, munmap), part of C
+PHASE = [""]  # the step phase the timers are in (set by the observer points): a timer's key names it
+
+
+def _usage() -> tuple[int, float]:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_minflt, r.ru_stime
 
 
 def _timed(owner: Any, name: str, key: str) -> None:
     fn = getattr(owner, name)
 
     def wrapper(*a: Any, **k: Any) -> Any:
-        t, c = time.perf_counter(), time.process_time()
+        t, c, (f, st) = time.perf_counter(), time.process_time(), _usage()
         try:
             return fn(*a, **k)
         finally:
-            T[key] += time.perf_counter() - t
-            C[key] += time.process_time() - c
-            N[key] += 1
+            k = f"{key} ({PHASE[0]})" if PHASE[0] else key
+            T[k] += time.perf_counter() - t
+            C[k] += time.process_time() - c
+            N[k] += 1
+            f2, st2 = _usage()
+            F[k] += f2 - f
+            S[k] += st2 - st
 
     setattr(owner, name, wrapper)
 
@@ -58,12 +71,16 @@ class _Clock:
 
     def reset(self) -> None:
         self.t, self.c = time.perf_counter(), time.process_time()
+        self.f, self.s = _usage()
 
     def mark(self, phase: str) -> None:
         now, cpu = time.perf_counter(), time.process_time()
+        f, st = _usage()
         T[phase] += now - self.t
         C[phase] += cpu - self.c
-        self.t, self.c = now, cpu
+        F[phase] += f - self.f
+        S[phase] += st - self.s
+        self.t, self.c, self.f, self.s = now, cpu, f, st
 
 
 def instrument(clock: _Clock) -> None:
@@ -96,12 +113,14 @@ def instrument(clock: _Clock) -> None:
 
     _runner.prepare = timed_prepare
     obs = _runner._TraceObserver
+    _NEXT = {None: "fw", "forward": "bw", "backward": "opt"}  # noqa: N806 - the phase each point starts
     hooks = {"step_start": None, "forward_done": "forward", "grads_ready": "backward", "step_end": "optimizer step"}
     for name, phase in hooks.items():
         orig = getattr(obs, name)
 
         def hook(self: Any, *a: Any, _orig: Any = orig, _phase: str | None = phase, **k: Any) -> Any:
             clock.mark(_phase or "(observer setup)")
+            PHASE[0] = _NEXT.get(_phase, "")
             return _orig(self, *a, **k)
 
         setattr(obs, name, hook)
@@ -120,9 +139,10 @@ def snapshot(label: str, runs: dict[str, dict[str, float]]) -> None:
     runs[label] = {k: round(v, 2) for k, v in sorted(T.items())}
     runs[label + " cpu"] = {k: round(v, 2) for k, v in sorted(C.items())}
     runs[label + " calls"] = dict(N)  # type: ignore[assignment]
-    T.clear()
-    C.clear()
-    N.clear()
+    runs[label + " minflt"] = dict(F)  # type: ignore[assignment]
+    runs[label + " sys"] = {k: round(v, 2) for k, v in sorted(S.items())}
+    for d in (T, C, N, F, S):
+        d.clear()
 
 
 def main() -> None:
@@ -138,20 +158,20 @@ def main() -> None:
     runs: dict[str, dict[str, float]] = {}
     if args.kind == "plain":
         for i in range(2):
-            t = [(time.perf_counter(), time.process_time())]
+            t = [(time.perf_counter(), time.process_time(), *_usage())]
             opt.zero_grad(set_to_none=True)
             loss = model(**batch).loss
-            t.append((time.perf_counter(), time.process_time()))
+            t.append((time.perf_counter(), time.process_time(), *_usage()))
             loss.backward()
-            t.append((time.perf_counter(), time.process_time()))
+            t.append((time.perf_counter(), time.process_time(), *_usage()))
             opt.step()
-            t.append((time.perf_counter(), time.process_time()))
+            t.append((time.perf_counter(), time.process_time(), *_usage()))
             float(loss.detach())
             names = ("forward", "backward", "optimizer step")
-            runs[f"step {i + 1}"] = {n: round(b[0] - a[0], 2) for n, a, b in zip(names, t, t[1:])}
-            runs[f"step {i + 1}"]["total"] = round(t[-1][0] - t[0][0], 2)
-            runs[f"step {i + 1} cpu"] = {n: round(b[1] - a[1], 2) for n, a, b in zip(names, t, t[1:])}
-            runs[f"step {i + 1} cpu"]["total"] = round(t[-1][1] - t[0][1], 2)
+            for suffix, col, nd in (("", 0, 2), (" cpu", 1, 2), (" minflt", 2, None), (" sys", 3, 2)):
+                row: dict[str, Any] = {n: round(b[col] - a[col], nd) for n, a, b in zip(names, t, t[1:])}
+                row["total"] = round(t[-1][col] - t[0][col], nd)
+                runs[f"step {i + 1}{suffix}"] = row
     else:
         import ampdoctor
 

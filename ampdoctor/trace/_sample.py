@@ -23,6 +23,8 @@ from ampdoctor.trace._ops import Kind, ops_with
 
 #: values sampled per output (all of them for smaller tensors)
 SAMPLE = 64
+#: float64 elements per block the samples are kept in (1 MiB)
+SAMPLE_BLOCK = 1 << 17
 #: ops whose integer output is a choice between values (argmax, topk, sort): kept for the reference comparison
 DECISIONS = ops_with(Kind.DECISION)
 _SMALLEST, _PICKS_K, _ORDERS = ops_with(Kind.PICKS_SMALLEST), ops_with(Kind.PICKS_K), ops_with(Kind.ORDERS)
@@ -144,7 +146,14 @@ class Sketches:
         #: from, so that an op that raises on an index (out of range) names its numeric source (no statistics)
         self.int_src: dict[tuple[Any, ...], tuple[int, ...]] = {}
         self.sampler = Sampler()
-        self.samples: dict[int, torch.Tensor] = {}
+        #: row -> (device, block, offset, count): the sample's values, as float64, in :attr:`blocks`
+        self.samples: dict[int, tuple[Any, int, int, int]] = {}
+        #: per device, flat float64 blocks the samples are written into (:data:`SAMPLE_BLOCK` elements each). One
+        #: block for ~2000 samples instead of one small tensor each: thousands of small tensors that outlive the
+        #: step's transient tensors pin the holes those leave in the C heap (the freed activations could not
+        #: coalesce for the gradients; bench/results/diagnose_split.md: a step-0 backward faulted fresh pages in)
+        self.blocks: dict[Any, list[torch.Tensor]] = {}
+        self._fill: dict[Any, int] = {}
         self.decisions: list[Decision] = []
         self._decisions_read = 0
         self._layout: dict[Any, tuple[list[tuple[int, int]], list[Decision]]] = {}
@@ -185,9 +194,22 @@ class Sketches:
             pos = self.sampler._positions.get((n, t.device))
             v = torch.take(t, pos) if pos is not None else self.sampler.take(t)
             if v is not None:
-                self.samples[row] = v
+                self._keep(row, v)
         except Exception:  # noqa: BLE001 - observation must not raise into user code (sparse, subclasses)
             pass
+
+    def _keep(self, row: int, v: torch.Tensor) -> None:
+        """Copy sample ``v`` (at most :data:`SAMPLE` values) into the device's current block, widened to float64
+        (exact: the same numbers a later conversion gives)."""
+        dev, k = v.device, v.numel()
+        blocks = self.blocks.setdefault(dev, [])
+        fill = self._fill.get(dev, SAMPLE_BLOCK)
+        if fill + k > SAMPLE_BLOCK:
+            blocks.append(torch.empty(SAMPLE_BLOCK, dtype=torch.float64, device=dev))
+            fill = 0
+        blocks[-1][fill:fill + k].copy_(v)
+        self.samples[row] = (dev, len(blocks) - 1, fill, k)
+        self._fill[dev] = fill + k
 
     def decision(self, base: str, op: str, module: str, phase: str, in_idx: tuple[int, ...], pos: int,
                  t: torch.Tensor, args: Any, kwargs: Any) -> None:
@@ -200,7 +222,7 @@ class Sketches:
 
     def devices(self) -> set[Any]:
         """Devices holding samples or decisions not read yet."""
-        return {v.device for v in self.samples.values()} | {
+        return {v[0] for v in self.samples.values()} | {
             d.device_indices.device for d in self.decisions[self._decisions_read:] if d.device_indices is not None}
 
     def read_rows(self, rows: list[Any], by_dev: dict[Any, list[int]], values: list[list[float]], base: int,
@@ -221,16 +243,26 @@ class Sketches:
     def pack(self, device: Any, rows: Any) -> torch.Tensor:
         """The samples of ``rows`` and the unread decisions on ``device`` as one float64 vector, read back with
         the statistics rows (the same transfer: one host read per device and step)."""
-        groups: dict[Any, list[int]] = {}
+        have: list[tuple[int, int]] = []
+        runs: list[list[int]] = []  # [block, start, end]: contiguous runs of the blocks, in row order
         for r in rows:
             v = self.samples.get(r)
-            if v is not None and v.device == device:
-                groups.setdefault(v.dtype, []).append(r)
-        have = [(r, self.samples[r].numel()) for g in groups.values() for r in g]
+            if v is None or v[0] != device:
+                continue
+            _, b, off, k = self.samples.pop(r)
+            have.append((r, k))
+            if runs and runs[-1][0] == b and runs[-1][2] == off:
+                runs[-1][2] = off + k
+            else:
+                runs.append([b, off, off + k])
         decs = [d for d in self.decisions[self._decisions_read:]
                 if d.device_indices is not None and d.device_indices.device == device]
         self._layout[device] = (have, decs)
-        parts = [torch.cat([self.samples.pop(r) for r in g]).to(torch.float64) for g in groups.values()]
+        blocks = self.blocks.get(device, [])
+        parts = [blocks[b][start:end] for b, start, end in runs]
+        if not any(v[0] == device for v in self.samples.values()):  # every sample read: the blocks go
+            self.blocks.pop(device, None)
+            self._fill.pop(device, None)
         parts += [d.device_indices.reshape(-1).to(torch.float64) for d in decs]  # exact below 2**53
         parts += [(d.device_ties if d.device_ties is not None else torch.tensor(-1, device=device))
                   .reshape(1).to(torch.float64) for d in decs]

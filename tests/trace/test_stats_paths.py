@@ -47,8 +47,14 @@ def _tensors() -> dict[str, torch.Tensor]:
     half_max = torch.tanh(x * 30).half() * 65504
     half_big = big.half() * 1e-4
     half_big[3] = 65504
-    return {"randn": x, "relu": relu, "subnormal": sub, "at_max": at_max, "softmax": soft, "tanh": tanh,
-            "chunked": big, "fp16": half, "fp16_max": half_max, "fp16_chunked": half_big,
+    # float16's subnormal boundary (the host path counts ``|x| < tiny`` from the sign of ``|x| - mid``, mid between
+    # the largest subnormal and tiny): every value at it, both signs, the smallest subnormal, zeros
+    f16 = torch.finfo(torch.float16)
+    top_sub = f16.tiny - 2.0 ** -24
+    edge = torch.tensor([f16.tiny, -f16.tiny, top_sub, -top_sub, 2.0 ** -24, -(2.0 ** -24), 0.0, -0.0, f16.tiny * 2,
+                         1.0, -3.5, 2.0 ** -15] * 5, dtype=torch.float16)
+    return {"fp16_edge": edge, "randn": x, "relu": relu, "subnormal": sub, "at_max": at_max, "softmax": soft,
+            "tanh": tanh, "chunked": big, "fp16": half, "fp16_max": half_max, "fp16_chunked": half_big,
             "bf16": (x * 1e-30).bfloat16(), "zeros": torch.zeros(7, 9),
             "fp64": x.double() * 1e-310, "strided": x.transpose(0, 2), "e4m3": (x * 1e-3).to(torch.float8_e4m3fn)}
 
@@ -78,6 +84,7 @@ def test_host_path_taken_and_counts_nonzero() -> None:
     assert rows["fp16_max"][field["n_at_max"]] > 10 and rows["fp16_chunked"][field["n_subnormal"]] > 1000
     assert rows["fp16_chunked"][field["n_at_max"]] == 1 and isinstance(rows["fp16_max"], list)
     assert rows["zeros"][field["min_nonzero"]] == math.inf
+    assert rows["fp16_edge"][field["n_subnormal"]] == 25 and rows["fp16_edge"][field["n_zero"]] == 10
 
 
 def test_non_finite_falls_back_to_the_device_path() -> None:
