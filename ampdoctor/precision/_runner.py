@@ -25,7 +25,18 @@ from ampdoctor.precision._step import (
     StepLoop,
     prepare,
 )
-from ampdoctor.trace import FULL, HALF_DTYPES, REFERENCE, REFERENCE_HEADROOM, Request, Trace, TraceResult, iter_tensors
+from ampdoctor.trace import (
+    FULL,
+    HALF_DTYPES,
+    REFERENCE,
+    REFERENCE_HEADROOM,
+    Request,
+    Trace,
+    TraceResult,
+    dtype_name,
+    is_nonfinite,
+    iter_tensors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -294,20 +305,38 @@ def _describe(prep: Prepared, result: RunResult, names: dict[int, str], owners: 
 
 
 def unread_updates(spec: StepSpec, target: RunResult) -> frozenset[int]:
-    """The reference's optimizer steps that nothing in a diagnosis reads, given its target run: the last step's,
-    when the target ran every step to its end and never entered that step's ``optimizer.step`` (a GradScaler
-    that found an inf/NaN gradient skips it -- a fresh scaler's first steps usually do).
+    """The reference's optimizer steps that nothing in a diagnosis reads, given its target run: the last step's
+    (earlier ones feed the next step), when the target ran every step to its end and its last update
+    - never entered ``optimizer.step`` (a GradScaler that found an inf/NaN gradient skips it -- a fresh scaler's
+      first steps usually do), or
+    - ran only float32/float64 ops with finite results inside ``optimizer.step`` and wrote no state that the
+      update rules compare (a 16-bit tensor, or the root module's own state: ``findings._updates``) -- the
+      amp precisions' fp32 master weights.
 
-    What reads the reference's updates compares them with the target's (``findings._updates``: the same write in
-    both runs) or feeds the next step, and there is none: the target wrote no update at that step and it is the
-    last. Skipping it is the cost of a plain step's AdamW (at 750M parameters its state allocation, ~40 % of the
+    What reads the reference's updates compares them with the target's: the same write in both runs (the update
+    rules), the twin of a target op that lost precision, flushed or went non-finite -- none of which such an
+    update has. Leaving it out saves a plain step's AdamW (at 750M parameters its state allocation, ~40 % of the
     reference run) and its peak memory. Only for the diagnosis's own loop (a user ``train_step`` runs whole), a
     ``torch.optim.Optimizer`` (its step pre-hook says whether the step ran) and no DDP/FSDP wrapper (every rank
     must take the same decision without a collective)."""
     last = spec.steps - 1
     if (spec.train_step is not None or not isinstance(spec.optimizer, torch.optim.Optimizer)
             or wrapper_kind(spec.model) is not None or target.exc is not None or target.forward_only
-            or len(target.losses) != spec.steps or last in target.updated_steps):
+            or len(target.losses) != spec.steps):
+        return frozenset()
+    if last not in target.updated_steps:
+        return frozenset({last})
+    recs = target.trace.records
+    first = next((i for i, r in enumerate(recs) if r.step == last), len(recs))
+    start = min((m for m in target.trace.marks.get("optimizer_step", []) if m >= first), default=None)
+    if start is None:
+        return frozenset()
+    wide = (torch.float32, torch.float64)
+    for r in recs[start:]:
+        if r.step == last and ((r.dtype.is_floating_point and r.dtype not in wide) or is_nonfinite(r)):
+            return frozenset()
+    half = {dtype_name(d) for d in HALF_DTYPES}
+    if any(w.step == last and w.index >= start and (not w.module or w.dtype in half) for w in target.trace.writes):
         return frozenset()
     return frozenset({last})
 

@@ -1,8 +1,8 @@
 """One set of tensors for consecutive runs of one spec: the next run's copy takes over the last one's storage.
 
-The diagnosis runs the float32 reference and then the target, each on its own deep copy of the user's model,
-optimizer and scaler (:func:`ampdoctor.precision._step.prepare`). Where the target's copy holds tensors of the same
-dtype, shape and layout as the reference's -- the amp precisions, whose parameters stay float32 -- a second copy
+The diagnosis runs the target and then the float32 reference, each on its own deep copy of the user's model,
+optimizer and scaler (:func:`ampdoctor.precision._step.prepare`). Where the two copies hold tensors of the same
+dtype, shape and layout -- the amp precisions, whose parameters stay float32 -- a second copy
 only allocates and page-faults memory that the first one has just given back (at 750M parameters ~3 GiB).
 
 :class:`SharedCopy` avoids that. After a run, :meth:`SharedCopy.keep` remembers the storage of every parameter,

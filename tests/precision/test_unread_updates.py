@@ -71,13 +71,51 @@ def test_skipped_target_update_is_not_run_in_the_reference(monkeypatch: pytest.M
     assert lean.summary["loss_target"] == whole.summary["loss_target"]
 
 
-def test_update_that_the_target_ran_is_run_in_the_reference() -> None:
+def test_an_fp32_master_weight_update_is_not_run_in_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scaler kept the step: the target's AdamW ran in float32 on float32 master weights, wrote no 16-bit state,
+    and stayed finite -- nothing compares the reference's update with it."""
     spec = _spec(init_scale=2.0 ** 4)
     with saved_rng():
         target = run(spec, reference=False)
-    assert target.updated_steps == [0]  # the healthy twin: the scaler kept the step
-    assert unread_updates(spec, target) == frozenset()
-    assert "reference_updates_not_run" not in _diagnose(spec).summary
+    assert target.updated_steps == [0]  # the scaler kept the step
+    assert unread_updates(spec, target) == frozenset({0})
+    lean = _diagnose(spec)
+    monkeypatch.setattr(sys.modules["ampdoctor.diagnose"], "unread_updates", lambda spec, target: frozenset())
+    assert lean.summary["reference_updates_not_run"] == [0] and _findings(lean) == _findings(_diagnose(spec))
+
+
+class _RootScale(_Net):
+    """A parameter of the root module itself (a learnable temperature): its update is a module-less write, which
+    ``loss-scaling-misuse`` compares with the reference's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+def test_updates_something_reads_are_run_in_the_reference() -> None:
+    base = _spec(init_scale=2.0 ** 4)
+    cases = {  # each: the target entered its optimizer step and left something the update rules compare
+        "16-bit weights": replace(base, precision="bf16"),
+        "root-module state": None,
+    }
+    torch.manual_seed(0)
+    root = _RootScale()
+    cases["root-module state"] = make_spec(root, base.batch, precision="bf16-amp",
+                                           optimizer=torch.optim.AdamW(root.parameters(), lr=1e-3),
+                                           loss_fn=base.loss_fn)
+    for name, spec in cases.items():
+        with saved_rng():
+            target = run(spec, reference=False)
+        assert target.updated_steps == [0], name
+        assert unread_updates(spec, target) == frozenset(), name
+    bad = replace(base, optimizer=torch.optim.AdamW(base.model.parameters(), lr=1e39))
+    with saved_rng():
+        target = run(bad, reference=False)  # lr 1e39: the update itself overflows float32
+    assert target.updated_steps == [0] and unread_updates(bad, target) == frozenset()
 
 
 def test_only_the_last_step_and_only_the_own_loop() -> None:
