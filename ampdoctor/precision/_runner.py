@@ -33,6 +33,7 @@ from ampdoctor.trace import (
     Request,
     Trace,
     TraceResult,
+    dtype_info,
     dtype_name,
     is_nonfinite,
     iter_tensors,
@@ -331,9 +332,10 @@ def unread_updates(spec: StepSpec, target: RunResult) -> frozenset[int]:
     start = min((m for m in target.trace.marks.get("optimizer_step", []) if m >= first), default=None)
     if start is None:
         return frozenset()
-    wide = (torch.float32, torch.float64)
     for r in recs[start:]:
-        if r.step == last and ((r.dtype.is_floating_point and r.dtype not in wide) or is_nonfinite(r)):
+        info = dtype_info(r.dtype) if r.dtype.is_floating_point else None
+        if r.step == last and ((info is None and r.dtype.is_floating_point) or (info is not None and info.low_precision)
+                               or is_nonfinite(r)):
             return frozenset()
     half = {dtype_name(d) for d in HALF_DTYPES}
     if any(w.step == last and w.index >= start and (not w.module or w.dtype in half) for w in target.trace.writes):
