@@ -974,3 +974,4 @@ def vit_checkpoint_sequential(bad: bool) -> dict[str, Any]:
 import _field_cases_r4  # noqa: E402, F401 - registers round 4's cases after these (keeps CASES' order)
 import _field_cases_r5  # noqa: E402, F401 - round 5's cases, after round 4's
 import _field_cases_r6  # noqa: E402, F401 - round 6's cases, after round 5's
+import _field_cases_r7  # noqa: E402, F401 - round 7's cases, after round 6's

@@ -87,6 +87,36 @@ def own_element_error(ctx: Context, r: OpRecord) -> tuple[float, float] | None:
     return e["p50"], max((errs[i]["p50"] for i in ins if i in errs), default=0.0)
 
 
+#: a cancelling op whose typical (median) sampled element is off by this much of its own is rounding noise there
+ELEMENT_NOISE = 0.5
+
+
+def typical_cancellation(ctx: Context, r: OpRecord, operand_absmax: float,
+                         deviation: float) -> tuple[dict[str, float], str] | None:
+    """A difference whose norm hides its cancellation (a few large elements dominate the norm and |max|; the
+    typical element cancels completely): evidence ``typical_result`` (the median |element| of r's fp32 sample),
+    ``element_own_error`` (r's own median element error) and the text, when the operands' rounding
+    ``operand_absmax * u`` reaches that typical true element and the typical element is off by
+    :data:`ELEMENT_NOISE` or more of r's own; None otherwise."""
+    ref, own = ctx.ref(r), own_element_error(ctx, r)
+    if ref is None or own is None or not ref.sample:
+        return None
+    vals = sorted(abs(v) for v in ref.sample if math.isfinite(v))
+    if not vals:
+        return None
+    typical, u, mine = vals[(len(vals) - 1) // 2], unit_roundoff(r.dtype), own[0] - own[1]
+    if mine < ELEMENT_NOISE or operand_absmax * u < typical or typical <= 0:
+        return None
+    ev = {"operand_absmax": operand_absmax, "digits_cancelled": math.log2(operand_absmax / typical),
+          "typical_result": typical, "element_own_error": mine, "output_deviation": deviation}
+    what = "loss" if ctx.target.losses and ctx.target.losses[0] is not None else "output"
+    txt = (f" Catastrophic cancellation, element by element: operands of |max| {operand_absmax:.3g} give a typical "
+           f"(median sampled) result of only {typical:.3g}; the operands' rounding ({operand_absmax * u:.3g}) is as "
+           f"large as that, so the typical element is rounding noise (off by {mine:.0%} of its own) while a few "
+           f"larger elements keep the norm close. The step's {what} deviates from fp32 by {deviation:.1%}.")
+    return ev, txt
+
+
 def element_loss_records(ctx: Context, skip: set[int]) -> list[tuple[OpRecord, float, float]]:
     """Forward records of step 0 touching a low precision whose own median element error exceeds
     :data:`ELEMENT_WARN`: ``(record, p50, inherited p50)``. Records computed from one in ``skip`` (already

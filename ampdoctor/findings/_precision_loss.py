@@ -34,6 +34,7 @@ from ampdoctor.findings._elementwise import (
     decision_steers,
     element_loss_records,
     input_rounding,
+    typical_cancellation,
 )
 from ampdoctor.findings._integer_values import integer_rounding_findings
 from ampdoctor.findings._registry import Candidate, rule
@@ -254,6 +255,11 @@ def _cancellation(ctx: Context, r: OpRecord, own: float, deviation: float | None
     if ref is None or op_base(r.op) not in CANCEL_OPS or in_max <= 0 or ref.stats["absmax"] <= 0:
         return {}, "", False
     u, true_max = unit_roundoff(r.dtype), ref.stats["absmax"]
+    dev = deviation if deviation is not None else 0.0  # None: a non-finite loss, explained by the inf/NaN rules
+    noise = in_max * u >= true_max and own >= 0.5 and dev >= WARN_REL
+    typical = None if noise or dev < WARN_REL else typical_cancellation(ctx, r, in_max, dev)
+    if typical is not None:  # the norm hides it: the typical element is noise
+        return typical[0], typical[1], True
     if in_max / true_max <= 1 / (16 * u):
         return {}, "", False
     dt = dtype_name(r.dtype)
@@ -261,8 +267,6 @@ def _cancellation(ctx: Context, r: OpRecord, own: float, deviation: float | None
     txt = (f" Catastrophic cancellation: operands of |max| {fmt(in_max)} give a result of |max| {fmt(true_max)}, "
            f"so ~{ev['digits_cancelled']:.0f} of the leading bits cancel and {dt}'s rounding of the operands "
            "dominates the result.")
-    dev = deviation if deviation is not None else 0.0  # None: a non-finite loss, explained by the inf/NaN rules
-    noise = in_max * u >= true_max and own >= 0.5 and dev >= WARN_REL
     if noise:
         ev["output_deviation"] = dev
         txt += (f" The operands' rounding ({fmt(in_max * u)}) is as large as the true result: what the op returns "
@@ -469,12 +473,13 @@ def _element_findings(ctx: Context) -> list[Candidate]:
                 f"(p99 {ee['p99']:.1%}, max {ee['max']:.3g}, {int(ee['sign_flips'])} sign flip(s) in "
                 f"{int(ee['n'])} sampled elements) while its inputs carried {inh:.2%}; the tensor's norm and |max| "
                 "hardly show it.")
+        cancel_ev, cancel_txt, noise = _cancellation(ctx, r, e - inh, output_deviation(ctx))
         amp_ev, amp_txt = _amplification(ctx, r, inh)
-        ev.update(amp_ev)
-        expl += amp_txt
-        expl += _batch_note(ctx, r)
+        ev.update({**cancel_ev, **amp_ev})
+        expl += cancel_txt + amp_txt + _batch_note(ctx, r)
         out.append(Candidate(Finding(
-            "precision-loss", "warning", r.module, r.op, r.phase,
-            f"{op_base(r.op)} loses {e - inh:.0%} per element in {dt} in {r.module or '<root>'}", expl, ev,
-            _fixes(r, False, False), r.step), r.index))
+            "precision-loss", "error" if noise else "warning", r.module, r.op, r.phase,
+            (f"catastrophic cancellation in {r.module or '<root>'}: {op_base(r.op)} returns rounding noise in {dt}"
+             if noise else f"{op_base(r.op)} loses {e - inh:.0%} per element in {dt} in {r.module or '<root>'}"),
+            expl, ev, _fixes(r, False, bool(cancel_ev)), r.step), r.index))
     return out
