@@ -83,7 +83,10 @@ def precision_loss(ctx: Context) -> list[Candidate]:
     operands' rounding ``|operand| * u`` is at least its true fp32 result (every significant bit cancels), with an
     own error of 50% or more while the first step's loss (or output) deviates by 5% or more, is an ``error``: its
     result is rounding noise that reaches what the user reads (``E[x**2] - E[x]**2`` rounding to 0, then
-    ``rsqrt(var + eps)`` multiplying the centred values by ``1 / sqrt(eps)``), with ``output_deviation``. A NaN
+    ``rsqrt(var + eps)`` multiplying the centred values by ``1 / sqrt(eps)``), with ``output_deviation``. So is
+    one whose norm hides it (a few large elements keep the norm and |max| close): the operands' rounding reaches
+    the *typical* (median sampled) true element, the op's own median element error is 50% or more and the loss
+    deviates by 5% (``typical_result``, ``element_own_error``: a KL of nearby log-probabilities). A NaN
     made from finite inputs where the reference is finite (``sqrt`` of a variance that cancellation made negative)
     is an ``error`` reported at the cancelling op. When the target run raised and a finite low-precision input of
     the failing op leaves the fp32 range (an index computed from a value that rounds up), the op that rounded it

@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import _field_cases_r7
 import pytest
 import torch
 from _field_cases import CASES
@@ -464,3 +465,54 @@ def test_cdist_knn_numbers() -> None:
     assert torch.equal(ref, direct)  # the fp32 matmul path agrees with the differences
     assert ev["decision_op"] == "aten.argmin.default" and ev["indexed_by"] > 0
     assert ev["decisions_changed"] == int((ref != low).sum()) >= 0.05 * 64  # queries that take another label
+
+
+# ------------------------------------------------------------------ round 7
+def test_rope_inv_freq_buffer_numbers() -> None:
+    spec, report = _diagnose("rope-inv-freq-buffer-bf16", True)
+    ev = report.findings[0].evidence
+    inv = spec["model"].model.rotary_emb.inv_freq.double()  # the float32 model's frequencies
+    pos = torch.arange(spec["batch"]["input_ids"].shape[1], dtype=torch.float64)[:, None]
+    err = (pos * (inv - inv.bfloat16().double())).abs().max().item()  # the angle error of the rounded buffer
+    assert ev["buffer"] == "model.rotary_emb.inv_freq" and ev["buffer_dtype"] == "bfloat16"
+    assert ev["max_angle"] == pytest.approx(pos.max().item() * inv.max().item())
+    assert 0.5 < err <= ev["angle_error_bound"]  # ~1 rad at position 2047: a different rotation
+    twin, _ = _diagnose("rope-inv-freq-buffer-bf16", False)
+    assert copy.deepcopy(twin["model"]).bfloat16().model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+def test_grpo_k3_kl_numbers() -> None:
+    spec, report = _diagnose("grpo-logps-k3-kl-bf16", True)
+    ev = report.findings[0].evidence
+    m, b = spec["model"], spec["batch"]
+    with torch.no_grad():
+        logps = torch.log_softmax(m(b["input_ids"])[:, :-1], -1).gather(-1, b["input_ids"][:, 1:, None]).squeeze(-1)
+        d = b["ref_logps"] - logps  # the log-ratios in fp32: ~1e-2
+    assert ev["ref_absmax"] == pytest.approx(d.abs().max().item(), rel=1e-2)
+    assert ev["operand_absmax"] == pytest.approx(logps.abs().max().item(), rel=2e-2)  # |logp| ~ 10
+    assert ev["operand_absmax"] * 2.0**-8 >= d.abs().max()  # bf16's spacing of the log-probs exceeds the ratios
+    kl32 = (torch.expm1(d) - d).mean().item()
+    low = (b["ref_logps"].bfloat16() - logps.bfloat16())
+    kl16 = (torch.exp(low) - low - 1).float().mean().item()
+    assert abs(kl16 - kl32) >= kl32 > 0  # the k3 KL in bf16 is off by its whole size (here it comes out 0.0)
+
+
+def test_draft_kl_distill_numbers() -> None:
+    spec, report = _diagnose("draft-kl-distill-bf16", True)
+    ev = report.findings[0].evidence
+    m, b = spec["model"], spec["batch"]
+
+    def run(dtype: torch.dtype, fp32_loss: bool) -> tuple[float, torch.Tensor]:
+        mm = copy.deepcopy(m).to(dtype)
+        bb = {k: v.to(dtype) for k, v in b.items()}
+        out = mm(**bb)
+        out.retain_grad()
+        loss = _field_cases_r7.kl_distill_loss(fp32_loss)(out, bb)
+        loss.backward()
+        return loss.item(), out.grad.double()
+
+    (l32, g32), (l16, g16), (lt, gt) = run(torch.float32, False), run(torch.bfloat16, False), run(torch.bfloat16, True)
+    rel = lambda g: ((g - g32).norm() / g32.norm()).item()  # noqa: E731
+    assert l16 < 0 < l32 and abs(lt - l32) < 0.05 * l32  # the bf16 KL comes out negative; the fix keeps it
+    assert rel(g16) > 0.3 and rel(gt) < 0.15  # the gradient p_draft - p_target: 47% off vs 9% (bf16 logits)
+    assert ev["element_own_error"] >= 0.5 and ev["operand_absmax"] * 2.0**-8 >= ev["typical_result"]
