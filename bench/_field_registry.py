@@ -1,6 +1,7 @@
 """The field-case registry: one ``Case`` per publicly reported failure, registered with ``@case`` (a name twice
 raises). The cases live in ``bench/_field_cases.py`` (rounds 1-3), ``bench/_field_cases_r4.py`` (round 4),
-``bench/_field_cases_r5.py`` (round 5) and ``bench/_field_cases_r6.py`` (round 6);
+``bench/_field_cases_r5.py`` (round 5), ``bench/_field_cases_r6.py`` (round 6) and
+``bench/_field_cases_r7.py`` (round 7);
 ``_field_cases.CASES`` holds them all, in registration order."""
 
 from __future__ import annotations
