@@ -1,7 +1,9 @@
 """Field cases, round 7: unseen families -- a SmolLM3 decoder whose rotary ``inv_freq`` buffer the model-wide bf16
 cast rounds (long positions), a GRPO policy step whose per-token log-probabilities and k3 KL estimator run in
-bf16, a speculative-decoding draft head distilled with a KL loss in bf16 (the backward's ``p_draft - p_target``
-cancels). Registered into ``_field_registry.CASES`` (read it as ``_field_cases.CASES``)."""
+bf16, a speculative-decoding draft head distilled with a KL loss in bf16 (the log-probabilities' difference
+cancels), an inpainting net's partial convolutions in fp16 (the mask ratio's eps 1e-8 is 0; the 1e-6 that the
+code's own comment suggests makes 1 / 1e-6 overflow). Registered into ``_field_registry.CASES`` (read it as
+``_field_cases.CASES``)."""
 
 from __future__ import annotations
 
@@ -146,3 +148,68 @@ def draft_kl(bad: bool) -> dict[str, Any]:
         target = m(hidden, hidden) + 0.05 * torch.randn(16, 8192, generator=g)
     return {"model": m, "batch": {"hidden": hidden, "target_logits": target}, "precision": "bf16",
             "loss_fn": kl_distill_loss(fp32=not bad)}
+
+
+# ---------------------------------------------------------------- partial convolution (inpainting) in fp16
+class PartialConv2d(nn.Conv2d):
+    """NVIDIA's partial convolution (partialconv's ``PartialConv2d``, used by RFR-Net and most inpainting models):
+    the output is renormalised by ``mask_ratio = window / (update_mask + eps)``, zeroed where the window holds no
+    valid pixel. ``fp32_ratio``: the ratio computed in float32 and cast back after the masking (the fix)."""
+
+    def __init__(self, cin: int, cout: int, eps: float, fp32_ratio: bool) -> None:
+        super().__init__(cin, cout, 3, padding=1)
+        self.eps, self.fp32_ratio = eps, fp32_ratio
+        self.register_buffer("mask_kernel", torch.ones(1, 1, 3, 3), persistent=False)
+        self.window = float(cin * 9)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            update = F.conv2d(mask, self.mask_kernel, padding=1)
+            if self.fp32_ratio:
+                u32 = update.float()
+                ratio = (self.window / (u32 + self.eps) * torch.clamp(u32, 0, 1)).to(x.dtype)
+            else:
+                ratio = self.window / (update + self.eps)
+                ratio = ratio * torch.clamp(update, 0, 1)
+            update = torch.clamp(update, 0, 1)
+        raw = super().forward(x * mask)
+        b = self.bias.view(1, -1, 1, 1)
+        return ((raw - b) * ratio + b) * update, update
+
+
+class InpaintNet(nn.Module):
+    def __init__(self, eps: float, fp32_ratio: bool) -> None:
+        super().__init__()
+        self.pconv1 = PartialConv2d(3, 16, eps, fp32_ratio)
+        self.pconv2 = PartialConv2d(16, 3, eps, fp32_ratio)
+
+    def forward(self, image: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h, m = self.pconv1(image, mask)
+        out, _ = self.pconv2(F.relu(h), m)
+        return out
+
+
+@case("partialconv-mask-ratio-fp16", "https://github.com/jingyuanli001/RFR-Inpainting/issues/8 (FP16 training: the "
+      "model outputs -inf in the forward pass; fixed by changing partialconv2d's constant to a number within fp16's "
+      "range); NVIDIA/partialconv's PartialConv2d: mask_ratio = slide_winsize / (update_mask + 1e-8), its own "
+      "comment 'for mixed precision training, change 1e-8 to 1e-6' -- 1e-8 is 0 in fp16, a hole's window gives 27 / 0",
+      ("constant-out-of-range", "pconv1", "aten.add.Tensor", "forward"))
+def partialconv(bad: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    g = _gen(73)
+    image = torch.rand(2, 3, 32, 32, generator=g) * 2 - 1
+    mask = torch.ones(2, 1, 32, 32)
+    mask[:, :, 8:24, 10:26] = 0  # the hole to inpaint
+    target = torch.rand(2, 3, 32, 32, generator=g) * 2 - 1
+    return {"model": InpaintNet(eps=1e-8, fp32_ratio=not bad), "batch": {"image": image * mask, "mask": mask},
+            "precision": "fp16", "loss_fn": lambda out, b: (out.float() - target).abs().mean()}
+
+
+@case("partialconv-suggested-eps-fp16", "https://github.com/NVIDIA/partialconv (PartialConv2d's own comment: 'for "
+      "mixed precision training, change 1e-8 to 1e-6'): 1e-6 is representable in fp16 (a subnormal), but a hole's "
+      "window gives 1 / (0 + 1e-6) = 1e6, beyond fp16's 65504, and inf * 0 = NaN; jingyuanli001/RFR-Inpainting#8",
+      ("overflow", "pconv1", "aten.reciprocal.default", "forward"))
+def partialconv_suggested(bad: bool) -> dict[str, Any]:
+    spec = partialconv(bad)
+    spec["model"] = InpaintNet(eps=1e-6, fp32_ratio=not bad)
+    return spec

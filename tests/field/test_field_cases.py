@@ -516,3 +516,24 @@ def test_draft_kl_distill_numbers() -> None:
     assert l16 < 0 < l32 and abs(lt - l32) < 0.05 * l32  # the bf16 KL comes out negative; the fix keeps it
     assert rel(g16) > 0.3 and rel(gt) < 0.15  # the gradient p_draft - p_target: 47% off vs 9% (bf16 logits)
     assert ev["element_own_error"] >= 0.5 and ev["operand_absmax"] * 2.0**-8 >= ev["typical_result"]
+
+
+def _hole_windows(spec: dict[str, Any]) -> int:
+    """Positions whose 3x3 window holds no valid pixel (the mask ratio's 0 / 0 there)."""
+    update = torch.nn.functional.conv2d(spec["batch"]["mask"], torch.ones(1, 1, 3, 3), padding=1)
+    return int((update == 0).sum())
+
+
+def test_partialconv_mask_ratio_numbers() -> None:
+    spec, report = _diagnose("partialconv-mask-ratio-fp16", True)
+    ev = report.findings[0].evidence
+    assert ev["constant"] == 1e-8 and torch.tensor(1e-8).half().item() == 0.0
+    assert ev["n_zero"] == _hole_windows(spec) == 2 * 14 * 14  # the 16 x 16 hole's interior, both images
+    assert ev["consequence"]["op"] == "aten.reciprocal.default"
+
+
+def test_partialconv_suggested_eps_numbers() -> None:
+    spec, report = _diagnose("partialconv-suggested-eps-fp16", True)
+    ev = report.findings[0].evidence
+    assert torch.tensor(1e-6).half().item() > 0  # representable (a subnormal): the literal is not the problem
+    assert ev["ref_absmax"] == pytest.approx(1e6, rel=1e-3) and ev["n_inf"] == _hole_windows(spec)  # 1 / 1e-6
