@@ -4,9 +4,9 @@
     PYTHONPATH=/path/to/older/checkout python bench/field.py --json before.json --ampdoctor-from-path
     python bench/field.py --markdown bench/results/field.md --before before.json --after after.json
 
-A case is a *hit* when ``findings[0]`` of the failing run has the expected code, module, op and phase, and its
-healthy twin has no error finding. The markdown table lists both runs side by side and ends with one line
-``FIELD cases=N before=A/N after=B/N``.
+A case is a *hit* when ``findings[0]`` of the failing run has the expected code, module, op and phase and is an
+error (as ``tests/field`` requires; until round 7 a warning counted), and its healthy twin has no error finding.
+The markdown table lists both runs side by side and ends with one line ``FIELD cases=N before=A/N after=B/N``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def run_case(name: str) -> dict[str, Any]:
             row[label] = {"crash": f"{type(e).__name__}: {e}"[:300]}
     row["seconds"] = time.perf_counter() - t0
     bad, healthy = row["bad"], row["healthy"]
-    row["named"] = bool(bad.get("first")) and bad["first"][:4] == list(c.expect)
+    # named: findings[0] is the expected code, module, op and phase, and an error (a warning leaves ``ok`` True)
+    row["named"] = bool(bad.get("first")) and bad["first"][:4] == list(c.expect) and bad["first"][4] == "error"
     row["healthy_ok"] = "crash" not in healthy and not healthy["errors"]
     row["hit"] = row["named"] and row["healthy_ok"]
     return row
