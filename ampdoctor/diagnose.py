@@ -45,8 +45,7 @@ from ampdoctor.precision.headroom import (
     headroom_spec,
     shares_reference,
 )
-from ampdoctor.precision.triage import Triage, guard_step, reference_reasons, spec_reasons
-from ampdoctor.trace import HEADROOM_ONLY
+from ampdoctor.precision.triage import Triage, guard_step, reference_reasons, reference_request, spec_reasons
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +200,7 @@ def headroom_and_check(spec: StepSpec, *, policy: str = "cuda", progress: Any = 
     phase("headroom")
     hspec = headroom_run_spec(spec)
     with saved_rng():
-        href = run(hspec, reference=True, headroom=True, request=HEADROOM_ONLY)  # read by headroom and triage only
+        href = run(hspec, reference=True, headroom=True, request=reference_request(str(spec.precision)))
     h = headroom_from_run(hspec, href)
     reasons = reference_reasons(href, str(spec.precision))
     info: dict[str, Any] = {}

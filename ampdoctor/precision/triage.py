@@ -31,7 +31,11 @@ decides, from mechanisms, whether that diagnosis can find anything that changes 
    that the format's rounding at its magnitude can move it by a phase or a logit difference (a timestep before its
    sinusoid, an ALiBi bias), when the target held a value on its way in low precision that could be that rounding
    (for a softmax: one that adds an offset -- a cast, an add, a GEMM's bias -- not a product such as an LM head
-   without a bias, whose rounding scales with the differences). These are the error conditions of the rules that compare
+   without a bias, whose rounding scales with the differences). That one is decided from MEASURED errors: the guard
+   step samples the argument and its possible rounding sites (:class:`~ampdoctor.trace.KeyedSamples`, at the
+   positions the float32 run sampled: :func:`reference_request`) and escalates only when the argument is off by what
+   the rule reads and a site could carry the rule's share of it (within :data:`MEASURED_SLACK`); what it cannot
+   measure is bounded by its size, as before. These are the error conditions of the rules that compare
    the runs: saturation (dead gradients, or a pole's inf), underflow (dead gradients, the loss, an inf/NaN it feeds;
    flushed values without such a consequence are a warning), overflow and nan-from-inf (an inf, also one a clamp
    catches: the clamp's input holds it), precision-loss (a NaN from finite inputs, a loss off by 5%).
@@ -42,27 +46,38 @@ and infos the full diagnosis would add (precision-loss measures, decision change
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from ampdoctor.precision._contexts import map_batch
+from ampdoctor.precision._rounded_args import (  # (the rule's thresholds, re-exported: equal by test to findings')
+    ABS_ARG_DEPTH,  # noqa: F401
+    ABS_ARG_LOST,
+    ABS_ARG_SENTINEL,  # noqa: F401
+    ABS_ARG_SLACK,
+    MEASURED_SLACK,
+    argument_candidates,
+    argument_reasons,
+    keyed,
+    sample_keys,
+)
 from ampdoctor.precision._runner import RunResult
 from ampdoctor.precision._spec import StepSpec
 from ampdoctor.precision._step import Observer, StepLoop, prepare, saved_rng
 from ampdoctor.trace import (
-    ALIAS_OPS,
     HALF_DTYPES,
+    HEADROOM_ONLY,
+    KeyedSamples,
     Kind,
+    Request,
     Trace,
     TraceResult,
-    adds_an_offset,
     dtype_info,
     dtype_limits,
-    feeders,
     op_base,
     ops_with,
     unit_roundoff,
@@ -78,15 +93,6 @@ MARGIN_BITS = 1.0
 LOSS_REL = 0.01
 #: at most this many reasons are kept (the first ones, in the order above)
 MAX_REASONS = 8
-#: the absolute error a sin/cos (radians) or a softmax (logits) reads, and the rounding slack, that the
-#: precision-loss rule's rounded-argument check uses (``findings._absolute_args``: PHASE_LOST, LOGIT_LOST,
-#: ROUNDING_SLACK, SENTINEL; equal by test): an argument of float32 |max| A can lose that only if A * u * slack does
-ABS_ARG_LOST = {"periodic": 0.5, "softmax": 0.25}
-ABS_ARG_SLACK = 4.0
-ABS_ARG_SENTINEL = 4096.0
-ABS_ARG_DEPTH = 8
-#: ops whose output is a view or a copy of their first input: the same dtype
-_SAME_DTYPE = ops_with(Kind.VIEW) | ops_with(Kind.COPY)
 
 
 @dataclass(frozen=True)
@@ -236,66 +242,13 @@ def _routing_reasons(trace: TraceResult) -> list[str]:
     return []
 
 
-def _argument_reasons(ref: TraceResult, target: list[Any], dtype: torch.dtype, fmt: str) -> list[str]:
-    """A sin/cos or (log-)softmax whose float32 argument is large enough that rounding at its magnitude can move it
-    by what the function reads (a phase, a logit difference), and whose argument passed through a value the target
-    step held in ``dtype`` that could be the rounding: the precision-loss rule compares their elements, the cheap
-    guard step does not (a timestep cast before its sinusoid, an ALiBi bias, drifted logits)."""
-    kinds = {"periodic": ops_with(Kind.PERIODIC), "softmax": ops_with(Kind.SOFTMAX)}
-    u = unit_roundoff(dtype)
-    low = _low_in_target(ref.records, target)
-    for r in ref.records:
-        if r.phase != "forward" or not r.inputs or r.inputs[0] < 0:
-            continue
-        kind = next((k for k, ops in kinds.items() if op_base(r.op) in ops), None)
-        a = ref.records[r.inputs[0]].stats.get("absmax", 0.0) if kind is not None else 0.0
-        if kind is None or (kind == "softmax" and a >= ABS_ARG_SENTINEL):
-            continue  # a mask sentinel: its rounding is moot (the rule leaves it out too)
-        if a * u * ABS_ARG_SLACK >= ABS_ARG_LOST[kind] and _rounding_site(ref.records, r.inputs[0], low, kind, u):
-            return [f"{r.op} in {r.module or '<root>'} reads the absolute error of an argument of |max| {a:.4g}: "
-                    f"{fmt}'s rounding there (u = {u:.3g}) can move it by {ABS_ARG_LOST[kind]:g}"]
-    return []
-
-
-def _low_in_target(ref: list[Any], target: list[Any]) -> set[int]:
-    """Indices of float32 records that the target step held in a low precision: the record itself is low, or its
-    twin (same phase, module, op and occurrence) in the cheap target trace is."""
-    twins = {key: t.dtype for key, t in _keyed(target)}
-    keys = {r.index: key for key, r in _keyed(ref)}
-    out: set[int] = set()
-    for r in ref:
-        dt = twins.get(keys[r.index], r.dtype) if r.index in keys else r.dtype
-        if r.index in keys and op_base(r.op) in _SAME_DTYPE and r.inputs and r.inputs[0] >= 0:
-            if r.inputs[0] in out:  # a view holds its input's values: its occurrences shift with autocast's extra
-                out.add(r.index)  # ones, its input's dtype does not
-            continue
-        info = dtype_info(dt) if dt is not None else None
-        if info is not None and info.low_precision:
-            out.add(r.index)
-    return out
-
-
-def _rounding_site(records: list[Any], arg: int, low: set[int], kind: str, u: float) -> bool:
-    """Whether the precision-loss rule could find a rounding site for this argument: a value held low in the target
-    among the argument and its feeders (:data:`ABS_ARG_DEPTH` hops) or an input the target cast into low precision
-    for it (autocast), that for a softmax adds an offset (a product scales the differences with the values). When the
-    argument itself was low, the rule's site carries at least half the argument's error, ``ABS_ARG_LOST / 2``, within
-    ``ABS_ARG_SLACK`` times its own rounding: smaller values cannot be it."""
-    x0 = records[arg]
-    need = ABS_ARG_LOST[kind] / (2 * ABS_ARG_SLACK * u) if arg in low else 0.0
-    for x in [x0, *feeders(records, x0, ABS_ARG_DEPTH)]:
-        if x.kind not in ("op", "batch") or x.index not in low or op_base(x.op or "") in ALIAS_OPS:
-            continue
-        if (kind == "periodic" or x.kind == "batch" or adds_an_offset(x.op)) and _absmax(x) >= need:
-            return True
-        casts = [records[i] for i in x.inputs if i >= 0 and i not in low and records[i].stats]
-        if any(_absmax(c) >= need for c in casts):  # an input autocast cast to low for x: a cast adds no offset
-            return True
-    return False
-
-
-def _absmax(r: Any) -> float:
-    return float(r.stats.get("absmax", 0.0))
+def reference_request(precision: str) -> Request:
+    """What ``check``'s float32 run computes (:data:`~ampdoctor.trace.HEADROOM_ONLY`, read by ``headroom`` and this
+    module), with element samples of every output large enough to be a rounding site the guard step measures
+    (:func:`argument_reasons`; smaller ones are ruled out by their size alone)."""
+    u = unit_roundoff(QUICK[precision])
+    site = min(ABS_ARG_LOST.values()) / (2 * ABS_ARG_SLACK * MEASURED_SLACK * u)
+    return replace(HEADROOM_ONLY, samples_above=min(HEADROOM_ONLY.samples_above, site))
 
 
 def _integers(sample: Any, exact: float) -> bool:
@@ -322,13 +275,18 @@ def _changes_class(v: float, dtype: torch.dtype) -> bool:
 class _Guard(Observer):
     """The cheap trace tier around the target step, plus which parameters get an all-zero gradient."""
 
-    def __init__(self, prep: Any) -> None:
+    def __init__(self, prep: Any, sample: set[tuple[str, str, str, int]]) -> None:
         self.tr = Trace(prep.model, prep.optimizer, full=False)
+        self.samples = KeyedSamples(self.tr.mode, sample) if sample else None  # above the trace: after its records
         self.model = prep.model
         self.zero: list[tuple[str, Any]] = []
 
     def context(self, loop: StepLoop) -> Any:
-        return self.tr
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.tr)
+        if self.samples is not None:
+            stack.enter_context(self.samples)
+        return stack
 
     def step_start(self, loop: StepLoop, step: int) -> None:
         self.tr.set_step(step)
@@ -344,16 +302,19 @@ class _Guard(Observer):
 
 def guard_step(spec: StepSpec, ref: RunResult, *, policy: str = "cuda") -> tuple[list[str], dict[str, Any]]:
     """Run ``spec``'s target step once under the cheap trace tier (on copies) and compare it with ``ref``."""
+    dtype = QUICK[str(spec.precision)]
+    cands = argument_candidates(ref.trace, dtype)  # their arguments and rounding sites are sampled
     with saved_rng():
         prep = prepare(spec, reference=False)
-        guard = _Guard(prep)
+        guard = _Guard(prep, sample_keys(ref.trace.records, cands))
         done = StepLoop(spec, prep, policy=policy, observers=(guard,)).run(1)
     res = guard.tr.result()
+    samples = guard.samples.result() if guard.samples is not None else {}
     out: list[str] = []
     if done.exc is not None:
         out.append(f"the {spec.precision} step raised {type(done.exc).__name__}: {str(done.exc)[:200]}")
     twins = _occurrences(ref.trace.records)
-    for key, r in _keyed(res.records, ops_only=False):
+    for key, r in keyed(res.records, ops_only=False):
         lo, hi = r.stats.get("min", 0.0), r.stats.get("max", 0.0)
         twin = twins.get(key)
         where = f"{r.op} in {r.module or '<root>'} ({r.phase})"
@@ -369,26 +330,13 @@ def guard_step(spec: StepSpec, ref: RunResult, *, policy: str = "cuda") -> tuple
     if loss is None and t_out is not None and r_out is not None and _rel(t_out, r_out) > LOSS_REL:
         out.append(f"the {spec.precision} output |max| {t_out:.6g} is {_rel(t_out, r_out):.1%} off float32's")
     out += _zeroed(guard.zero, ref)
-    dtype = QUICK[str(spec.precision)]
-    out += _argument_reasons(ref.trace, res.records, dtype, "fp16" if dtype == torch.float16 else "bf16")
-    return out, {"loss": loss, "reference_loss": ref_loss, "ops": len(res.records)}
-
-
-def _keyed(records: list[Any], ops_only: bool = True) -> Iterator[tuple[tuple[str, str, str, int], Any]]:
-    """Records with their (phase, module, op, occurrence) key: how a cheap target record finds its float32 twin
-    (autocast's extra casts are other ops and do not shift the count). ``ops_only``: op records only."""
-    seen: dict[tuple[str, str, str], int] = {}
-    for r in records:
-        if ops_only and (r.kind != "op" or not r.op):
-            continue
-        key = (r.phase, r.module, op_base(r.op))
-        n = seen[key] = seen.get(key, -1) + 1
-        yield (*key, n), r
+    out += argument_reasons(ref.trace, res.records, dtype, "fp16" if dtype == torch.float16 else "bf16", samples)
+    return out, {"loss": loss, "reference_loss": ref_loss, "ops": len(res.records), "samples": len(samples)}
 
 
 def _occurrences(records: list[Any]) -> dict[tuple[str, str, str, int], dict[str, float]]:
     """The float32 run's op records' statistics by :func:`_keyed`'s key."""
-    return {key: r.stats for key, r in _keyed(records)}
+    return {key: r.stats for key, r in keyed(records)}
 
 
 def _same_kinds(lo: float, hi: float, twin: dict[str, float] | None) -> bool:

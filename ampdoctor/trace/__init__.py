@@ -52,6 +52,7 @@ from ampdoctor.trace._dtypes import (
     dtype_name,
     unit_roundoff,
 )
+from ampdoctor.trace._keyed_samples import KeyedSamples, record_keys
 from ampdoctor.trace._lineage import Lineage, analyse_lineage, feeders, has_nan, is_nonfinite
 from ampdoctor.trace._mode import OpRecord, RecordingMode, _key
 from ampdoctor.trace._modules import ModuleAttribution, frame_boundary, iter_tensors, user_frame
@@ -96,6 +97,7 @@ __all__ = [
     "Trace",
     "TraceResult",
     "OpRecord",
+    "KeyedSamples",
     "Lineage",
     "FULL_FIELDS",
     "CHEAP_FIELDS",
@@ -132,6 +134,7 @@ __all__ = [
     "op_base",
     "op_info",
     "ops_with",
+    "record_keys",
     "ops_with_literal",
     "torch_names",
     "iter_tensors",
