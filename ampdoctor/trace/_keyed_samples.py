@@ -61,8 +61,12 @@ class KeyedSamples(TorchDispatchMode):
         with _NO_TORCH_FUNCTION():
             start = len(self.rec.records)
             out = func(*args, **(kwargs or {}))
-            if len(self.rec.records) > self._scanned:
-                self._scan(start, out)
+            if self.wanted and len(self.rec.records) > self._scanned:
+                try:
+                    self._scan(start, out)
+                except Exception:  # noqa: BLE001 - observation must not raise into user code; the counts may be
+                    self.wanted, self._pending = set(), {}  # off now: no samples at all (nothing measured)
+                    self._scanned = len(self.rec.records)
             return out
 
     def _scan(self, start: int, out: Any) -> None:
@@ -84,11 +88,8 @@ class KeyedSamples(TorchDispatchMode):
                 flat(out, found)
                 outs = [t for t in found if t.is_floating_point()]
             if j < len(outs) and tuple(outs[j].shape) == tuple(r.shape):
-                try:
-                    with _disable_current_modes():
-                        v = self.sampler.take(outs[j].detach())
-                except Exception:  # noqa: BLE001 - observation must not raise into user code
-                    v = None
+                with _disable_current_modes():
+                    v = self.sampler.take(outs[j].detach())
                 if v is not None:
                     self._pending[(*k, n)] = v
         self._scanned = len(self.rec.records)

@@ -50,3 +50,20 @@ def test_keyed_samples_match_the_full_tiers_and_change_nothing() -> None:
     assert set(samples) == set(fwd)
     for key, r in fwd.items():
         assert samples[key] == r.sample, key  # float32 both ways: the same elements, bitwise
+
+
+def test_a_failing_sample_raises_nothing_into_the_step_and_keeps_no_samples() -> None:
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    model = _model()
+    with trace(model, full=True) as t:
+        _step(model, x)
+    full = t.result().records
+    wanted = {k for k in record_keys(full).values() if k[0] == "forward"}
+    observed = _model()
+    with trace(observed) as tc, KeyedSamples(tc.mode, wanted) as ks:
+        def broken(t: torch.Tensor) -> None:
+            raise RuntimeError("no gather")
+        ks.sampler.take = broken  # type: ignore[method-assign]
+        got = _step(observed, x)
+    assert torch.equal(got, _step(_model(), x))
+    assert ks.result() == {}  # the counts may be off after a failure: nothing is claimed as measured
