@@ -44,7 +44,7 @@ def _everything(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_runner, "REFERENCE", FULL)
     monkeypatch.setattr(_runner, "REFERENCE_HEADROOM", FULL)
     monkeypatch.setattr(_headroom, "HEADROOM_ONLY", FULL)
-    monkeypatch.setattr(_diagnose, "HEADROOM_ONLY", FULL)
+    monkeypatch.setattr(_diagnose, "reference_request", lambda precision: FULL)  # check's fp32 run
 
 
 def _report(rep: Any) -> str:
@@ -163,3 +163,14 @@ def test_headroom_samples_cover_every_integer_bound_triage_reads() -> None:
 
     assert 0 < HEADROOM_ONLY.samples_above <= min(1.0 / unit_roundoff(d) for d in QUICK.values())
     assert FULL.samples_above == 0 and REFERENCE.samples_above == 0
+
+
+def test_checks_fp32_run_is_headroom_only_with_the_samples_the_guard_step_compares() -> None:
+    """``check``'s fp32 run asks ``HEADROOM_ONLY`` with a lower sample bound: the rounding sites of a large
+    sin/cos/softmax argument the guard step measures (``triage.reference_request``) are sampled too."""
+    from ampdoctor.precision.triage import QUICK, reference_request
+
+    for p in QUICK:
+        req = reference_request(p)
+        assert dataclasses.replace(req, samples_above=HEADROOM_ONLY.samples_above) == HEADROOM_ONLY
+        assert 0 < req.samples_above < HEADROOM_ONLY.samples_above
