@@ -8,7 +8,9 @@ with wall-clock timers wrapped around the runner's and the trace's own functions
 library has none): per run, the copy (``prepare``), forward, backward and optimizer step (between the observer
 points), inside them the trace's statistics (``_full_row``/``_lite_row``), the step-0 samples, the write log
 (``WriteLog.before``/``after``), the heap trims and the runner's pre-optimizer hooks (coverage, gradient norm),
-then the read-back (``Trace.result``). ``handler`` = the rest of the trace's per-op bookkeeping is not separable
+then the read-back (``Trace.result``); every timer and phase also counts its minor page faults and system CPU time
+(``getrusage``: fresh heap pages the kernel zeroes), and a timer's key names the step phase it ran in (``fw``, ``bw``,
+``opt``). ``handler`` = the rest of the trace's per-op bookkeeping is not separable
 from the op with timers: compare a phase with the plain step's. Prints one JSON line.
 """
 
