@@ -54,6 +54,8 @@ class AmpDoctorCallback(TrainerCallback):
         # a compute_loss of the user's own (the model returns no loss): the replay runs it too
         self.watch = watch(model, optimizer, scaler, **{"loss_code": True, **self.watch_options})
         self.watch.__enter__()
+        if self.watch.options.loss_code:          # the model's own loss is checked: Trainer gives the watch none
+            self.watch.record_loss_code(losses=True)
         for flag in ("fp16", "bf16"):       # fp16=True on CPU runs in fp32: the report says so (precision_note)
             if getattr(args, flag, False) is True:
                 self.watch.expect_precision(flag, f"Trainer({flag}=True)")

@@ -193,7 +193,7 @@ class _Runner:
         if len(scalers) > 1:
             w.scaler_among(scalers)
         w.__enter__()
-        w.record_loss_code()        # the script's loss code: the replay of a failing step runs it too
+        w.record_loss_code(losses=True)   # its loss code: a replay runs it; the model's own loss is checked
         asked = self._requested_precision()
         if asked is not None:       # 16-bit weights under a mixed precision request: said before step 0
             w.expect_precision(asked[0], asked[1], mixed=asked[2])

@@ -187,15 +187,20 @@ class Watch:
             raise ValueError(f"method must be one of {', '.join(map(repr, STEP_METHODS))} or '', got {method!r}")
         self._policy.train_step, self._policy.step_method = train_step, method
 
-    def record_loss_code(self) -> None:
+    def record_loss_code(self, *, losses: bool = False) -> None:
         """Record each step's loss code (the torch calls from the model's output to ``backward()``, when the model
         returns no loss) so that the in-process replay runs it too (:mod:`ampdoctor.watch._loss_code`);
-        ``ampdoctor run`` turns it on. No effect with :meth:`replay_with` or after the watch was disabled."""
+        ``ampdoctor run`` turns it on. No effect with :meth:`replay_with` or after the watch was disabled.
+        ``losses=True``: a loss the model returns itself (``output.loss``) is checked as the step's loss, as if given
+        to :meth:`step`, for loops that give none (``ampdoctor run``, the HF callback): an inf/NaN loss in the very
+        first forward is then an anomaly of that step, not read as GradScaler calibrating its scale."""
         self._require_entered("record_loss_code()")
         if self._loss_tap is None and self._health.working:
             self._loss_tap = LossCodeTap(self.model, self.optimizer, lambda: self._tracker.it.record.step,
                                          self._health)
             self._policy.loss_code = self._loss_tap.program
+        if losses and self._loss_tap is not None:
+            self._loss_tap.on_loss = self._tracker.hold_loss
 
     def expect_precision(self, requested: str, by: str, *, mixed: bool = True, log_note: bool = False) -> None:
         """What the user asked ``by`` (a framework: ``"Trainer(fp16=True)"``) to run, ``"fp16"`` or ``"bf16"``;

@@ -153,11 +153,12 @@ class LossRecorder(TorchFunctionMode):
     def __init__(self, output: Any) -> None:
         super().__init__()
         self._ids: dict[int, Ref] = {}
-        self._alive: list[Any] = []          # keeps recorded tensors alive while recording: ids stay unique
+        self._alive: dict[Ref, Any] = {}     # keeps recorded tensors alive while recording: ids stay unique
+        #: given the loss (before GradScaler's scaling) when backward() runs on it (``record_loss_code(losses=True)``)
+        self.on_loss: Callable[[torch.Tensor], None] | None = None
         for i, leaf in enumerate(_leaves(output)):
             if isinstance(leaf, torch.Tensor):
-                self._ids[id(leaf)] = Ref(-1, i)
-                self._alive.append(leaf)
+                self._ids[id(leaf)] = self._keep(Ref(-1, i), leaf)
         self.calls: list[Call] = []
         self._reads_output: set[int] = set()     # the calls computed from the model's output
         self.program: LossProgram | None = None
@@ -174,8 +175,7 @@ class LossRecorder(TorchFunctionMode):
             return
         for i, leaf in enumerate(_leaves(output)):
             if isinstance(leaf, torch.Tensor):
-                self._ids[id(leaf)] = Ref(-1 - self.forwards, i)
-                self._alive.append(leaf)
+                self._ids[id(leaf)] = self._keep(Ref(-1 - self.forwards, i), leaf)
         self.forwards += 1
 
     def _spec(self, x: Any) -> Any:
@@ -220,8 +220,7 @@ class LossRecorder(TorchFunctionMode):
                 self._reads_output.add(i)
             for j, leaf in enumerate(_leaves(out)):
                 if isinstance(leaf, torch.Tensor):
-                    self._ids[id(leaf)] = Ref(i, j)
-                    self._alive.append(leaf)
+                    self._ids[id(leaf)] = self._keep(Ref(i, j), leaf)
         except Exception as exc:  # noqa: BLE001 - recording must never break the user's step
             self.stop(f"{type(exc).__name__}: {exc}")
         return out
@@ -232,7 +231,25 @@ class LossRecorder(TorchFunctionMode):
             self.stop("backward() ran on a tensor not computed from the model's output")
             return
         self.program = LossProgram(tuple(self.calls), ref, self.forwards)
+        if self.on_loss is not None:
+            try:
+                self.on_loss(self._unscaled(ref, loss).detach())
+            except Exception as exc:  # noqa: BLE001 - checking the loss must never break the user's backward()
+                log.debug("ampdoctor.watch: the recorded loss is not checked: %s", exc)
         self._release()
+
+    def _keep(self, ref: Ref, leaf: torch.Tensor) -> Ref:
+        self._alive[ref] = leaf
+        return ref
+
+    def _unscaled(self, ref: Ref, loss: torch.Tensor) -> torch.Tensor:
+        """The loss before ``scaler.scale(loss)`` (a product with a tensor the model's output does not reach)."""
+        call = self.calls[ref.call] if ref.call >= 0 else None
+        if call is not None and getattr(call.func, "__name__", "") in ("mul", "__mul__") and len(call.args) == 2:
+            refs = [a for a in call.args if isinstance(a, Ref)]
+            if len(refs) == 1 and any(isinstance(a, torch.Tensor) for a in call.args):
+                return self._alive.get(refs[0], loss)
+        return loss
 
     def stop(self, why: str) -> None:
         log.debug("the loss code is not recorded: %s", why)
@@ -241,7 +258,7 @@ class LossRecorder(TorchFunctionMode):
 
     def _release(self) -> None:
         self.done = True
-        self._ids, self._alive = {}, []
+        self._ids, self._alive = {}, {}
 
     def pop(self) -> bool:
         """Leave the mode stack if this mode is on top (True when it is off the stack)."""
@@ -297,6 +314,8 @@ class LossCodeTap:
         self._step = -1
         self._programs: deque[tuple[int, LossProgram]] = deque(maxlen=2)
         self.optimizer = optimizer
+        #: given the loss a model returns itself, each training forward (``record_loss_code(losses=True)``)
+        self.on_loss: Callable[[torch.Tensor], None] | None = None
         self.handles = [model.register_forward_pre_hook(Hook(self.on_input)),
                         model.register_forward_hook(Hook(self.on_output))]
         if optimizer is not None:   # global: runs before the watch's own step hook, whose torch calls then skip
@@ -322,9 +341,13 @@ class LossCodeTap:
         self.settle()
         if self.recorder is not None or not torch.is_grad_enabled():
             return
-        if default_loss(output) is not None:
+        loss = default_loss(output)
+        if loss is not None:
+            if self.on_loss is not None:
+                self.on_loss(loss.detach())
             return
         rec = LossRecorder(output)
+        rec.on_loss = self.on_loss
         if not rec.failed:
             rec.__enter__()
             self.recorder, self._step = rec, self._step_of()

@@ -18,8 +18,7 @@ How the guard learns about a step, without replacing any method of the user's ob
   measured.
 
 Every hook is a :class:`Hook`: marked as ampdoctor's (``_ampdoctor_hook``) and never deep-copied, so a copy of a
-watched model (``diagnose`` on it, a replay) carries no watch.
-"""
+watched model (``diagnose`` on it, a replay) carries no watch."""
 
 from __future__ import annotations
 
@@ -97,10 +96,9 @@ class StepTracker:
         self.lost_left = o.coverage_steps if ps.low else 0
         self.lp_before: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         self.prior: PreUpdate | None = None     # the last update's pre-step state while lp_before is (``_prestate``)
-        self.step = 0
+        self.step = self.unwatched_updates = 0
         self.records: list[StepRecord] = []
-        self.n_steps = 0
-        self.n_skipped_trimmed = 0
+        self.n_steps = self.n_skipped_trimmed = 0
         self.it = Iteration(StepRecord(0))
         self.last_it: Iteration | None = None
         #: the latest closed iterations (their inputs, by reference), for anomalies read back after the step closed
@@ -110,11 +108,9 @@ class StepTracker:
         self.explicit = False
         #: the watched optimizer stopped stepping while the weights keep changing (rebuilt optimizer, R12)
         self.orphaned = False
-        self.unwatched_updates = 0
         self.weights_version = self._weights_version()
         self.autocast: dict[str, Any] = {"autocast": False, "autocast_dtype": None, "device_type": self.device_type}
-        self.cov_steps = 0
-        self.cov_seen: set[int] = set()
+        self.cov_steps, self.cov_seen = 0, set[int]()
         self.coverage: Coverage | None = None if o.coverage_steps > 0 else Coverage(0, (), (), ps.not_in_optimizer)
         sc = self.scaler
         self.scaler_token = sc.token() if sc is not None else None
@@ -316,9 +312,7 @@ class StepTracker:
         if loss is not None:
             t = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
             if not late:
-                if it.loss is not None:     # an earlier loss of this open step is checked, not overwritten
-                    self.readback.add(LossValue(it.loss.float().sum().reshape(1), it.record, micro=True))
-                it.loss, it.micro = t, it.micro or it.loss is not None
+                self.hold_loss(t)
             else:
                 self.readback.add(LossValue(t.float().sum().reshape(1), target.record))
         if batch is not None:
@@ -329,6 +323,12 @@ class StepTracker:
                 self.before_update()
                 self.close(skipped=False, scale_known=True)
         self.handle_queue(can_raise=True)
+
+    def hold_loss(self, t: torch.Tensor) -> None:
+        """Keep ``t`` as the open step's loss, checked with its single read (an earlier one is checked too)."""
+        if self.it.loss is not None:
+            self.readback.add(LossValue(self.it.loss.float().sum().reshape(1), self.it.record, micro=True))
+        self.it.loss, self.it.micro = t, self.it.micro or self.it.loss is not None
 
     # ------------------------------------------------------------------ step life cycle
     def poll_scaler(self) -> None:
