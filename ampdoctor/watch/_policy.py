@@ -24,7 +24,7 @@ from ampdoctor.watch._options import AnomalyError, WatchOptions
 from ampdoctor.watch._payload import StepInputs
 from ampdoctor.watch._prestate import PreUpdate
 from ampdoctor.watch._ranks import RankAgreement
-from ampdoctor.watch._rules import NONFINITE_CODES, not_reproduced
+from ampdoctor.watch._rules import NONFINITE_CODES, not_reproduced, unreproduced_on_rank
 from ampdoctor.watch._sinks import Sinks
 
 log = logging.getLogger("ampdoctor.watch")
@@ -319,8 +319,9 @@ class AnomalyPolicy:
         self.replay_step = int(payload["step"])
         self.unreproduced = not_reproduced(report, str(payload["anomaly"]), self.replay_step,
                                            self.train_step is not None or bool(self.step_method))
-        if self.unreproduced is not None:
-            log.warning("%s", self.unreproduced["note"])
+        if self.unreproduced is not None:   # on a rank that only received the inf/NaN: says so (no collective)
+            said = unreproduced_on_rank(self.unreproduced, self.ranks.summary() if self.ranks is not None else None)
+            log.warning("%s", (said or self.unreproduced)["note"])
         self._log_root(report, int(payload["step"]))
 
 

@@ -45,8 +45,9 @@ def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) ->
            + _rules.low_precision_findings(s.lost if t.params.low else None, t.params.owners))
     merged = _rules.merge_replay(own, _at_run_step(policy.replay_report, policy.replay_step))
     merged = with_zero_replay(merged, _at_run_step(policy.zero_replay, policy.zero_replay_step), s.zero_dtype)
-    findings = _rules.with_unreproduced(merged, policy.unreproduced)
     ranks = policy.ranks.summary() if policy.ranks is not None else None
+    unreproduced = _rules.unreproduced_on_rank(policy.unreproduced, ranks)
+    findings = _rules.with_unreproduced(merged, unreproduced)
     if ranks is not None:
         findings = _rules.with_ranks(findings, ranks)
     tail, precision, h = recs[-64:], precision_of(t), s.health
@@ -75,12 +76,13 @@ def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) ->
     summary.update(_extra_summary(t, policy, precision["name"], ranks))
     if policy.replay_report is not None:
         summary["replay"] = {"source": policy.replay_report.source, "summary": policy.replay_report.summary,
-                             **_unreproduced(policy)}
+                             **({} if unreproduced is None else {"reproduced": False,
+                                                                  "not_reproduced": dict(unreproduced)})}
     if s.broken:    # detectors that raised and were switched off (the rest of the watch kept working)
         summary["detectors_off"] = sorted(s.broken)
     if policy.replay_error is not None:
         summary["replay_error"] = policy.replay_error
-    note = policy.replay_note or (policy.unreproduced or {}).get("note")
+    note = policy.replay_note or (unreproduced or {}).get("note")
     if note is not None:
         summary["replay_note"] = note
     layers = policy.replay_report.layers if policy.replay_report is not None else ()
@@ -94,11 +96,6 @@ def _at_run_step(r: Report | None, base: int | None) -> Report | None:
         return r
     return dataclasses.replace(r, findings=tuple(dataclasses.replace(f, step=f.step + base)
                                                  if f.step is not None else f for f in r.findings))
-
-
-def _unreproduced(policy: AnomalyPolicy) -> dict[str, Any]:
-    """The replay found no inf/NaN origin: why, and what to do (also in the generic findings)."""
-    return {} if policy.unreproduced is None else {"reproduced": False, "not_reproduced": dict(policy.unreproduced)}
 
 
 def _extra_summary(t: StepTracker, policy: AnomalyPolicy, ran: str | None,

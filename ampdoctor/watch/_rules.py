@@ -391,6 +391,20 @@ def not_reproduced(replay: Report, kind: str, step: int, custom_step: bool) -> d
             "note": _UNREPRODUCED[reason].format(step=step, prec=prec)}
 
 
+def unreproduced_on_rank(info: dict[str, Any] | None, ranks: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A replay that found no inf/NaN on a rank that only received them from another rank's collective: it could
+    not, and the note says so instead of blaming something the replay does not repeat."""
+    origin = (ranks or {}).get("nonfinite_origin")
+    if info is None or ranks is None or not origin or origin["rank"] == ranks["rank"] or any(
+            e["rank"] == ranks["rank"] and e["local"] for e in ranks.get("rank_events", [])):
+        return info
+    note = (f"The replay of step {info['step']} on rank {ranks['rank']} saw no inf/NaN, as expected: this rank's own "
+            f"values stay finite; rank {origin['rank']} made the job's first non-finite value (step "
+            f"{origin['step']}) and the gradient collective brought it here. Rank {origin['rank']}'s report and "
+            "reproducer name the op.")
+    return {**info, "reason": "other-rank", "note": note}
+
+
 def with_unreproduced(findings: Sequence[Finding], info: dict[str, Any] | None) -> list[Finding]:
     """The watch's generic non-finite findings (module and op unknown) say that the replay did not reproduce the
     step, why, and what to do, instead of only pointing at a replay."""
@@ -406,7 +420,7 @@ def with_unreproduced(findings: Sequence[Finding], info: dict[str, Any] | None) 
                          "ampdoctor.replay('reproducer.pt', model_factory=make_model, "
                          "loss_fn=lambda output, batch: my_loss(output, batch))"))
     if info["reason"] != "loss-outside-model":
-        fixes = fixes[2:]
+        fixes = fixes[2:] if info["reason"] != "other-rank" else ()
     out = []
     for f in findings:
         if f.code in ("overflow", "loss-scale-collapse") and not f.module and not f.op:

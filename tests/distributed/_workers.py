@@ -361,25 +361,27 @@ def _watch_facts(w: Any, steps: int) -> dict[str, Any]:
     return {"steps": steps, "disabled": w.disabled, "findings": _findings(report),
             "summary": {k: report.summary.get(k) for k in keys},
             "anomalies": [(a["kind"], a["step"]) for a in report.summary.get("anomalies", [])],
-            "replay_error": report.summary.get("replay_error")}
+            "replay_error": report.summary.get("replay_error"), "replay_note": report.summary.get("replay_note")}
 
 
 def _watched_loop(rank: int, model: nn.Module, opt: Any, batches: list[torch.Tensor], *, give_loss: bool,
-                  nan_loss_steps: tuple[int, ...] = (), autocast: bool = False) -> dict[str, Any]:
+                  nan_loss_steps: tuple[int, ...] = (), autocast: bool = False, scaler: bool = False) -> dict[str, Any]:
     from ampdoctor.watch import watch
 
     steps = 0
-    with watch(model, opt) as w:
+    sc = torch.amp.GradScaler("cpu", enabled=scaler)
+    with watch(model, opt, sc if scaler else None) as w:
         for step, x in enumerate(batches):
             opt.zero_grad(set_to_none=True)
             with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
                 loss = _square_mean(model(x), x)
             if step in nan_loss_steps:
                 loss = loss + torch.tensor(float("nan"))    # outside the model: the gradients stay finite
-            loss.backward()
+            sc.scale(loss).backward()
             if give_loss:
                 w.step(loss)
-            opt.step()
+            sc.step(opt)
+            sc.update()
             steps += 1
     out = _watch_facts(w, steps)
     check = torch.tensor([float(rank + 1)])
@@ -407,6 +409,13 @@ def ddp_watch_origin_rank(rank: int, world_size: int, tmp: str) -> dict[str, Any
         model = DDP(net)
         out[name] = _watched_loop(rank, model, torch.optim.SGD(model.parameters(), lr=0.01),
                                   _batches(rank, 3, big_at=1), give_loss=give_loss, autocast=True)
+    # GradScaler: rank 1's batches overflow ``up`` from step 1 on, every step is skipped on both ranks, and rank 0's
+    # own replay of its loss-scale collapse (step 3) stays finite: it only received the inf/NaN
+    model = DDP(_mlp(up_scale=30.0))
+    xs = _batches(rank, 5)
+    out["scaler"] = _watched_loop(rank, model, torch.optim.SGD(model.parameters(), lr=0.01),
+                                  [x * 3e3 if rank == 1 and i >= 1 else x for i, x in enumerate(xs)],
+                                  give_loss=True, autocast=True, scaler=True)
     model = DDP(_mlp())
     out["nan-loss"] = _watched_loop(rank, model, torch.optim.SGD(model.parameters(), lr=0.01), _batches(rank, 3),
                                     give_loss=True, nan_loss_steps=(1,) if rank == 1 else ())

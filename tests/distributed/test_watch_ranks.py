@@ -57,6 +57,24 @@ def test_inf_on_rank_1_only_is_named_on_rank_0(ddp, case):
     assert mine["evidence"]["origin_rank"] == 1 and mine["evidence"]["local"] is True
 
 
+def test_rank_0_replay_of_a_received_collapse_says_it_came_from_rank_1(ddp):
+    """GradScaler skips every step from 1 on (rank 1's loss is inf there) on both ranks (the all-reduced gradients
+    overflow everywhere); rank 0's replay of its collapse stays finite, as it must: its note names rank 1, not
+    "something the replay does not repeat" with advice to diagnose rank 0's inputs."""
+    r0, r1 = (res["scaler"] for res in ddp)
+    assert r0["summary"]["origin_rank"] == r1["summary"]["origin_rank"] == 1
+    origin = r0["summary"]["nonfinite_origin"]
+    assert (origin["step"], origin["module"], origin["op"]) == (1, "up", "aten.addmm.default"), origin
+    assert r0["anomalies"] == [("loss-scale-collapse", 2)]     # skipped 0 (GradScaler calibrating), 1, 2
+    note = r0["replay_note"]
+    assert note.startswith("The replay of step 2 on rank 0 saw no inf/NaN, as expected") and "rank 1" in note
+    assert "does not repeat" not in note
+    collapse = next(f for f in r0["findings"] if f["code"] == "loss-scale-collapse")
+    assert "rank 1 made the job's first non-finite value" in collapse["explanation"]
+    assert "Diagnose that step with its real inputs" not in collapse["explanation"]
+    assert r1["findings"][0]["evidence"]["local"] is True and r1["replay_note"] is None
+
+
 def test_nan_loss_on_rank_1_only(ddp):
     r0, r1 = (res["nan-loss"] for res in ddp)
     _same_story(r0, r1)
