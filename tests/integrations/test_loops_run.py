@@ -5,9 +5,10 @@ overflows in the first Linear (``> 65504``) and GradScaler skips every step from
 
 Before that, GradScaler calibrates its initial scale (65536): steps 0-2 are skipped because the *scaled* gradients
 overflow. That first anomaly's replay judges it benign (unscaled, the gradients fit: a warning), so the watch
-replays the later collapse too, and the report leads with the real cause at the run's own step (9), with no
-source line borrowed from the code that called the replay. The healthy twin exits 0 with no error and its weights
-are bitwise those of a run without ampdoctor.
+replays the later failure too: the loss ``backward()`` runs on is checked (before ``scaler.scale``), so the first
+inf loss, step 7, is the anomaly replayed (before that check, the collapse at step 9 was), and the report leads
+with the real cause at the run's own step (7), with no source line borrowed from the code that called the replay.
+The healthy twin exits 0 with no error and its weights are bitwise those of a run without ampdoctor.
 """
 
 from __future__ import annotations
@@ -75,11 +76,13 @@ def test_failure_from_step_7_is_replayed_after_the_scalers_calibration(tmp_path)
     assert r.summary["script"] == {"status": "completed"}
     first = r.findings[0]
     assert (first.code, first.module, first.op, first.phase, first.step) == (
-        "overflow", "0", "aten._to_copy.default", "forward", 9), [(f.code, f.module, f.op, f.step) for f in r.findings]
+        "overflow", "0", "aten._to_copy.default", "forward", 7), [(f.code, f.module, f.op, f.step) for f in r.findings]
     assert first.evidence.get("source") is None           # nn.Linear has no user line; never the caller's
     collapse = next(f for f in r.findings if f.code == "loss-scale-collapse")
     assert (collapse.severity, collapse.step, collapse.module) == ("error", 7, "0")
-    assert [a["step"] for a in r.summary["anomalies"]] == [2, 9]           # calibration, then the real collapse
+    assert [(a["kind"], a["step"]) for a in r.summary["anomalies"]] == [    # calibration, then the real failure
+        ("loss-scale-collapse", 2), ("nonfinite-loss", 7), ("nonfinite-loss", 8), ("nonfinite-loss", 9),
+        ("loss-scale-collapse", 9)]
 
 
 def test_healthy_twin_exits_clean_and_trains_bitwise_as_without_ampdoctor(tmp_path) -> None:
