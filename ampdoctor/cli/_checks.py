@@ -59,9 +59,23 @@ def output_path(path: str | None, option: str, *, dash: bool = False) -> None:
         fail(f"cannot write {option} {path!r}: the folder {parent!r} is not writable")
 
 
+def _is_saved_tensors(file: str) -> bool:
+    """A ``torch.save`` file (a zip archive, or a ``.pt``/``.pth`` name), never a scenario's Python source."""
+    if file.endswith((".pt", ".pth")):
+        return True
+    try:
+        with open(file, "rb") as fh:
+            return fh.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False
+
+
 def scenario_path(file: str) -> str:
     """``file`` itself, or the file of a built-in scenario of that name (as ``ampdoctor fix`` accepts)."""
     if os.path.exists(file):
+        if _is_saved_tensors(file):
+            fail(f"{file!r} is a torch.save file, not a scenario (a .py file that defines make()); a watch "
+                 f"reproducer is run with: ampdoctor replay {file}")
         return file
     if os.sep in file or file.endswith(".py"):
         fail(f"scenario file not found: {file!r}; pass the path of a .py file that defines make()")
