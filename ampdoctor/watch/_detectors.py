@@ -325,6 +325,10 @@ def _skipped_steps(e: StepClosed, s: DetectorState) -> list[Detection]:
     start = (f"the first {len(run)}" if h.calibrating else str(len(run)))
     why = ("At the start of fp16 training that is GradScaler calibrating a too-large initial scale, harmless if it "
            "stops soon; if it goes on, some op" if h.calibrating else "The weights stopped changing. Some op")
+    bad = next((r.step for r in run if r.loss is not None and not math.isfinite(r.loss)), None)
+    if bad is not None:     # loss scaling never touches the loss itself: an inf/NaN loss is no calibration
+        why = (f"The loss itself was inf/NaN from step {bad}, which loss scaling never causes (it scales only the "
+               "gradients): not GradScaler calibrating. The weights stopped changing. Some op")
     return [Detection(
         "loss-scale-collapse", rec,
         f"GradScaler skipped {start} consecutive optimizer steps ({run[0].step}..{rec.step}) because the "

@@ -5,7 +5,8 @@ and q/k projections x30): ``q @ k^T`` reaches ~1e5 > 65504 in fp16 at step 0; fp
 script never gives its loss to the watch, and GradScaler skipping the first steps looks like it calibrating its
 initial scale, so the watch used to wait three steps and replay step 2. The model returns its loss itself
 (``labels=``): ``ampdoctor run`` now checks it as the step's loss, so the anomaly is step 0's and the replay of step 0
-names ``model.layers.1.self_attn``, ``aten.bmm``, forward. The healthy twin (no outliers) stays clean.
+names ``model.layers.1.self_attn``, ``aten.bmm``, forward, and the collapse warning no longer calls the skipped steps
+GradScaler calibrating (loss scaling never makes the loss itself NaN). The healthy twin (no outliers) stays clean.
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ def test_nan_loss_in_the_first_forward_is_located_at_step_0(tmp_path) -> None:
     r = _run(tmp_path, "bad")
     anomalies = r.summary["anomalies"]
     assert (anomalies[0]["kind"], anomalies[0]["step"]) == ("nonfinite-loss", 0), anomalies
+    # the skipped steps 0..2 are no GradScaler calibration (tests/watch/test_calibration_message.py is that twin)
+    collapse = next(a for a in anomalies if a["kind"] == "loss-scale-collapse")
+    assert "The loss itself was inf/NaN from step 0" in collapse["message"]
+    assert "calibrating a too-large initial scale" not in collapse["message"]
     first = r.findings[0]
     assert (first.code, first.module, first.op, first.phase, first.step) == (
         "overflow", "model.layers.1.self_attn", "aten.bmm.default", "forward", 0), \
