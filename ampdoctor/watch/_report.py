@@ -46,10 +46,9 @@ def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) ->
     merged = _rules.merge_replay(own, _at_run_step(policy.replay_report, policy.replay_step))
     merged = with_zero_replay(merged, _at_run_step(policy.zero_replay, policy.zero_replay_step), s.zero_dtype)
     ranks = policy.ranks.summary() if policy.ranks is not None else None
-    unreproduced = _rules.unreproduced_on_rank(policy.unreproduced, ranks)
+    unreproduced = _rules.unreproduced_on_rank(policy.unreproduced, ranks)   # a rank that only received it
     findings = _rules.with_unreproduced(merged, unreproduced)
-    if ranks is not None:
-        findings = _rules.with_ranks(findings, ranks)
+    findings = _rules.with_ranks(findings, ranks) if ranks is not None else findings
     tail, precision, h = recs[-64:], precision_of(t), s.health
     summary: dict[str, Any] = {
         "source": "watch",
@@ -76,8 +75,7 @@ def build_report(t: StepTracker, policy: AnomalyPolicy, disabled: str | None) ->
     summary.update(_extra_summary(t, policy, precision["name"], ranks))
     if policy.replay_report is not None:
         summary["replay"] = {"source": policy.replay_report.source, "summary": policy.replay_report.summary,
-                             **({} if unreproduced is None else {"reproduced": False,
-                                                                  "not_reproduced": dict(unreproduced)})}
+                             **_unreproduced(unreproduced)}
     if s.broken:    # detectors that raised and were switched off (the rest of the watch kept working)
         summary["detectors_off"] = sorted(s.broken)
     if policy.replay_error is not None:
@@ -96,6 +94,11 @@ def _at_run_step(r: Report | None, base: int | None) -> Report | None:
         return r
     return dataclasses.replace(r, findings=tuple(dataclasses.replace(f, step=f.step + base)
                                                  if f.step is not None else f for f in r.findings))
+
+
+def _unreproduced(info: dict[str, Any] | None) -> dict[str, Any]:
+    """The replay found no inf/NaN origin: why, and what to do (also in the generic findings)."""
+    return {} if info is None else {"reproduced": False, "not_reproduced": dict(info)}
 
 
 def _extra_summary(t: StepTracker, policy: AnomalyPolicy, ran: str | None,
