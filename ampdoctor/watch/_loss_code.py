@@ -235,7 +235,7 @@ class LossRecorder(TorchFunctionMode):
             try:
                 self.on_loss(self._unscaled(ref, loss).detach())
             except Exception as exc:  # noqa: BLE001 - checking the loss must never break the user's backward()
-                log.debug("ampdoctor.watch: the recorded loss is not checked: %s", exc)
+                log.debug("the recorded loss is not checked: %s", exc)
         self._release()
 
     def _keep(self, ref: Ref, leaf: torch.Tensor) -> Ref:
