@@ -326,7 +326,7 @@ def _skipped_steps(e: StepClosed, s: DetectorState) -> list[Detection]:
     why = ("At the start of fp16 training that is GradScaler calibrating a too-large initial scale, harmless if it "
            "stops soon; if it goes on, some op" if h.calibrating else "The weights stopped changing. Some op")
     bad = next((r.step for r in run if r.loss is not None and not math.isfinite(r.loss)), None)
-    if bad is not None:     # loss scaling never touches the loss itself: an inf/NaN loss is no calibration
+    if bad is not None and h.calibrating:   # loss scaling never touches the loss: an inf/NaN loss is no calibration
         why = (f"The loss itself was inf/NaN from step {bad}, which loss scaling never causes (it scales only the "
                "gradients): not GradScaler calibrating. The weights stopped changing. Some op")
     return [Detection(
