@@ -7,6 +7,7 @@ happens. Memory is bounded: a window of the latest anomalies plus per-kind count
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter, deque
 from collections.abc import Callable
@@ -253,7 +254,14 @@ class AnomalyPolicy:
             report = self._run_replay(payload, path)
             if report is not None:
                 self.zero_replay, self.zero_replay_step = report, int(payload["step"])
-                self._log_root(report, int(payload["step"]))
+                # the report takes only its underflow findings: logging its root cause (an overflow of the
+                # replay's scaled backward, say) would warn of what the report never says
+                flushed = [f for f in report.findings if f.code == "underflow"]
+                if flushed:
+                    self._log_root(dataclasses.replace(report, findings=tuple(flushed)), int(payload["step"]))
+                else:
+                    log.info("replay of step %s: no underflow against fp32 (the zero gradients are not a precision "
+                             "effect)", payload["step"])
         return path
 
     def _write(self, payload: dict[str, Any], a: Anomaly) -> str | None:
