@@ -356,7 +356,8 @@ def write(results: dict[str, Any], path: str) -> None:
         "average per config below, per process in the tables.",
         "",
         "Diagnose: `ampdoctor.diagnose(model, batch, precision=..., optimizer=AdamW, scaler=GradScaler (fp16-amp), "
-        f"policy={a['policy']!r})`: fp32 reference run + target run, both traced op by op (full statistics), + "
+        f"policy={a['policy']!r})`: target run + fp32 reference run (which leaves out the last update when "
+        "nothing reads it: `summary['reference_updates_not_run']`), both traced op by op (full statistics), + "
         "analysis. Plain: an fp32 step (zero_grad, forward with labels, backward, AdamW step) on the same model and "
         "batch. Every measurement is a fresh process building the model from seed 0, run one after the other: "
         "plain, diagnose, plain, diagnose, ..., plain. Time ratio = diagnose / mean of the two plain processes' "
