@@ -104,9 +104,10 @@ def diagnose_spec(spec: StepSpec, *, policy: str = "cuda", progress: Any = None,
     """spec -> target run -> reference run -> context -> rules -> ranking -> enrichment -> agreement -> report.
 
     The target runs first so that the reference can leave out what nothing reads: its last optimizer step when
-    the target skipped its own (:func:`~ampdoctor.precision.unread_updates`; listed in
-    ``summary["reference_updates_not_run"]``). The second run's copy is made over the first one's storages where
-    they fit (:class:`~ampdoctor.precision.SharedCopy`: no second allocation of the model).
+    the target skipped its own or ran it in float32 on float32 master weights
+    (:func:`~ampdoctor.precision.unread_updates`; listed in ``summary["reference_updates_not_run"]``). The second
+    run's copy is made over the first one's storages where they fit (:class:`~ampdoctor.precision.SharedCopy`: no
+    second allocation of the model).
 
     ``reference``: the float32 reference run of this very spec when the caller already ran it
     (:func:`headroom_and_diagnose`); it is not run again, and the target's copy is made over its storages through
@@ -119,18 +120,16 @@ def diagnose_spec(spec: StepSpec, *, policy: str = "cuda", progress: Any = None,
     t0 = time.perf_counter()
     if shared is None:
         shared = SharedCopy(spec)
-    if reference is None:  # the target first: the reference need not run an update the target skipped
-        phase("target")
-        with saved_rng():
-            target = run(spec, reference=False, policy=policy, hand_over=shared)
+    first = reference is None  # the target first: the reference then leaves out an update nothing reads
+    phase("target")
+    with saved_rng():
+        target = run(spec, reference=False, policy=policy, hand_over=shared if first else None,
+                     reuse=None if first else shared)
+    if first:
         phase("reference")
         with saved_rng():
             reference = run(spec, reference=True, policy=policy, reuse=shared,
                             no_update=unread_updates(spec, target))
-    else:
-        phase("target")
-        with saved_rng():
-            target = run(spec, reference=False, policy=policy, reuse=shared)
     phase("analysis")
     ctx = build_context(spec, target, reference)
     findings = enrich_all(analyse(ctx), spec.model, spec.precision)  # rules, ranking, enrichment

@@ -60,7 +60,7 @@ def summary(ctx: Context, findings: list[Any], elapsed: float) -> dict[str, Any]
             log.warning("the fp8 emulation quantises F.linear / nn.Linear only: %d module(s) multiply by a weight "
                         "another way and ran in float32, undiagnosed for fp8 (summary['fp8_unquantised']): %s",
                         len(mods), ", ".join(mods[:6]) + (", ..." if len(mods) > 6 else ""))
-    if ref is not None and ref.updates_not_run:  # nothing read them: the target skipped its own (GradScaler)
+    if ref is not None and ref.updates_not_run:  # nothing compares with them (precision.unread_updates)
         s["reference_updates_not_run"] = list(ref.updates_not_run)
     if t.exc is not None:
         s["exception"] = {"type": type(t.exc).__name__, "message": str(t.exc).splitlines()[0][:300] if str(t.exc)

@@ -173,7 +173,24 @@ def _measured_writes(spec: StepSpec, reference: bool) -> Any:
         state = list(spec.model.named_parameters()) + list(spec.model.named_buffers())
         low = {n for n, t in state if t.is_floating_point() and (cast or t.dtype in HALF_DTYPES)}
         return lambda t, meta, module: not module or meta[1] in low
-    return lambda t, meta, module: not module or t.dtype in HALF_DTYPES
+    return lambda t, meta, module: _compared_write(module, t.dtype)
+
+
+def _compared_write(module: str, dtype: torch.dtype | str) -> bool:
+    """A target write the update rules compare with the reference's same write: one into 16-bit state, or a
+    module-less one (loop code, or the root module's own state inside ``optimizer.step``)."""
+    return not module or dtype_name(dtype) in _HALF_NAMES
+
+
+_HALF_NAMES = frozenset(dtype_name(d) for d in HALF_DTYPES)
+
+
+def _narrow(dtype: torch.dtype) -> bool:
+    """A floating dtype narrower than float32 (or one the dtype registry does not know)."""
+    if not dtype.is_floating_point:
+        return False
+    info = dtype_info(dtype)
+    return info is None or info.low_precision
 
 
 class _TraceObserver(Observer):
@@ -330,15 +347,11 @@ def unread_updates(spec: StepSpec, target: RunResult) -> frozenset[int]:
     recs = target.trace.records
     first = next((i for i, r in enumerate(recs) if r.step == last), len(recs))
     start = min((m for m in target.trace.marks.get("optimizer_step", []) if m >= first), default=None)
-    if start is None:
+    if start is None:  # (records are in step order: from ``start`` on, the last step's update and after)
         return frozenset()
-    for r in recs[start:]:
-        info = dtype_info(r.dtype) if r.dtype.is_floating_point else None
-        if r.step == last and ((info is None and r.dtype.is_floating_point) or (info is not None and info.low_precision)
-                               or is_nonfinite(r)):
-            return frozenset()
-    half = {dtype_name(d) for d in HALF_DTYPES}
-    if any(w.step == last and w.index >= start and (not w.module or w.dtype in half) for w in target.trace.writes):
+    if any(_narrow(r.dtype) or is_nonfinite(r) for r in recs[start:]):
+        return frozenset()
+    if any(w.index >= start and _compared_write(w.module, w.dtype) for w in target.trace.writes):
         return frozenset()
     return frozenset({last})
 
@@ -356,7 +369,7 @@ def run(spec: StepSpec, *, reference: bool, policy: str = "cuda", keep_models: b
     diagnosis's target, then its reference).
 
     ``no_update``: steps whose optimizer step is not run (:func:`unread_updates`: the reference's last update when
-    the target skipped its own); listed in :attr:`RunResult.updates_not_run`.
+    nothing compares with it); listed in :attr:`RunResult.updates_not_run`.
 
     The step is :mod:`ampdoctor.precision._step`'s (the one every caller runs), observed by the trace.
     Exceptions raised by the step are recorded in the result (a crash is part of a diagnosis), except an

@@ -28,8 +28,8 @@ class _Net(nn.Module):
 
 
 def _spec(*, init_scale: float, steps: int = 1) -> Any:
-    """fp16-amp with AdamW and a GradScaler. fc1's weights scaled so that its gradient times ``init_scale`` 2**24
-    passes float16's 65504 (the scaler skips the step), while 2**4 keeps it finite (the step runs)."""
+    """fp16-amp with AdamW and a GradScaler. fc2's weights scaled up so that the gradients times ``init_scale``
+    2**24 pass float16's 65504 (the scaler skips the step), while 2**4 keeps them finite (the step runs)."""
     torch.manual_seed(0)
     model = _Net()
     with torch.no_grad():
@@ -98,15 +98,13 @@ class _RootScale(_Net):
 
 def test_updates_something_reads_are_run_in_the_reference() -> None:
     base = _spec(init_scale=2.0 ** 4)
-    cases = {  # each: the target entered its optimizer step and left something the update rules compare
-        "16-bit weights": replace(base, precision="bf16"),
-        "root-module state": None,
-    }
     torch.manual_seed(0)
     root = _RootScale()
-    cases["root-module state"] = make_spec(root, base.batch, precision="bf16-amp",
-                                           optimizer=torch.optim.AdamW(root.parameters(), lr=1e-3),
-                                           loss_fn=base.loss_fn)
+    cases = {  # each: the target entered its optimizer step and left something the update rules compare
+        "16-bit weights": replace(base, precision="bf16"),
+        "root-module state": make_spec(root, base.batch, precision="bf16-amp",
+                                       optimizer=torch.optim.AdamW(root.parameters(), lr=1e-3), loss_fn=base.loss_fn),
+    }
     for name, spec in cases.items():
         with saved_rng():
             target = run(spec, reference=False)
