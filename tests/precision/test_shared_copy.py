@@ -70,6 +70,14 @@ CASES = [
 ]
 
 
+def _storages(models: Any) -> set[int]:
+    """The storage addresses of a kept run's copy: its parameters, buffers and optimizer state."""
+    model, opt = models[0], models[1]
+    used = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    return used | {v.untyped_storage().data_ptr() for st in opt.state.values() for v in st.values()
+                   if isinstance(v, torch.Tensor)}
+
+
 @pytest.mark.parametrize("kw", CASES)
 def test_target_run_on_the_shared_copy_is_bitwise_the_fresh_one(kw: dict[str, Any]) -> None:
     spec = _spec(**kw)
@@ -87,11 +95,7 @@ def test_target_run_on_the_shared_copy_is_bitwise_the_fresh_one(kw: dict[str, An
     assert len(kept) == len(list(spec.model.parameters())) + n_buf + n_state  # every tensor is handed over
     with saved_rng():
         target = run(spec, reference=False, reuse=shared, keep_models=True)
-    model, opt = target.models[0], target.models[1]
-    used = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
-    used |= {v.untyped_storage().data_ptr() for st in opt.state.values() for v in st.values()
-             if isinstance(v, torch.Tensor)}
-    assert kept <= used  # the target really ran on the reference's storages
+    assert kept <= _storages(target.models)  # the target really ran on the reference's storages
     assert len(shared) == 0  # handed over once
     target.models = None
     assert _fingerprint(ref) == _fingerprint(ref_fresh)
@@ -113,10 +117,7 @@ def test_reference_run_on_the_targets_shared_copy_is_bitwise_the_fresh_one(kw: d
     assert len(kept) >= len(list(spec.model.parameters()))  # the amp target's float32 parameters are handed over
     with saved_rng():
         ref = run(spec, reference=True, reuse=shared, keep_models=True)
-    model = ref.models[0]
-    assert kept <= {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())} | {
-        v.untyped_storage().data_ptr() for st in ref.models[1].state.values() for v in st.values()
-        if isinstance(v, torch.Tensor)}
+    assert kept <= _storages(ref.models)  # the reference really ran on the target's storages
     ref.models = None
     assert _fingerprint(ref) == _fingerprint(ref_fresh)
     assert target.losses != ref.losses
